@@ -1,0 +1,33 @@
+# lakeshard: `make run` (set up, then a local cluster answers a chat) and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PROMPT ?= Explain in two sentences why splitting a language model across several laptops helps.
+
+.PHONY: setup run test lint bench-parity clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -c constraints.txt -e '.[dev,gui]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: setup
+	$(BIN)/lakeshard models pull smollm2-135m
+	$(BIN)/lakeshard generate smollm2-135m --stages 2 --prompt "$(PROMPT)" --stats
+
+test: setup
+	$(BIN)/python -m pytest
+
+lint: setup
+	$(BIN)/ruff check agent coordinator gui tests
+	$(BIN)/ruff format --check agent coordinator gui tests
+	$(BIN)/mypy
+
+bench-parity: setup
+	$(BIN)/lakeshard bench parity --model qwen2.5-coder-0.5b --weights int4 --json
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .mypy_cache

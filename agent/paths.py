@@ -1,0 +1,55 @@
+"""Where lakeshard keeps things: platformdirs locations, overridable with LAKESHARD_HOME."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import platformdirs
+
+APP = "lakeshard"
+
+
+def _home() -> Path | None:
+    v = os.environ.get("LAKESHARD_HOME")
+    return Path(v).expanduser() if v else None
+
+
+def cache_dir() -> Path:
+    """Models, exports and compiled-model blobs (large, re-creatable)."""
+    h = _home()
+    p = h / "cache" if h else Path(platformdirs.user_cache_dir(APP))
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def config_dir() -> Path:
+    h = _home()
+    p = h / "config" if h else Path(platformdirs.user_config_dir(APP))
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def log_dir() -> Path:
+    h = _home()
+    p = h / "logs" if h else Path(platformdirs.user_log_dir(APP))
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def models_dir() -> Path:
+    p = cache_dir() / "models"
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def exports_dir() -> Path:
+    p = cache_dir() / "exports"
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def compiled_cache_dir() -> Path:
+    p = cache_dir() / "ov-compiled"
+    p.mkdir(parents=True, exist_ok=True)
+    return p

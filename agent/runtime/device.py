@@ -1,0 +1,72 @@
+"""OpenVINO device choice and compile properties (GPU/NPU used when present, CPU otherwise)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import openvino as ov
+
+from agent.paths import compiled_cache_dir
+
+_core: ov.Core | None = None
+
+
+class DeviceError(ValueError):
+    pass
+
+
+def core() -> ov.Core:
+    """One OpenVINO Core per process, with the compiled-model cache switched on."""
+    global _core
+    if _core is None:
+        _core = ov.Core()
+        if not os.environ.get("LAKESHARD_NO_COMPILE_CACHE"):
+            _core.set_property({"CACHE_DIR": str(compiled_cache_dir())})
+    return _core
+
+
+def available_devices() -> list[str]:
+    return list(core().available_devices)
+
+
+def device_names() -> dict[str, str]:
+    """Device id -> full name (e.g. 'GPU.0' -> 'Intel(R) Arc(TM) Graphics')."""
+    out = {}
+    for d in available_devices():
+        try:
+            out[d] = str(core().get_property(d, "FULL_DEVICE_NAME"))
+        except RuntimeError:
+            out[d] = d
+    return out
+
+
+def choose_device(requested: str = "AUTO") -> str:
+    """AUTO picks an Intel GPU when OpenVINO sees one, else the CPU.
+
+    Stage IRs have dynamic shapes, which the NPU plugin does not run as-is: NPU is used only
+    when asked for explicitly.
+    """
+    req = (requested or "AUTO").upper()
+    devs = available_devices()
+    if req == "AUTO":
+        gpus = [d for d in devs if d.startswith("GPU")]
+        return gpus[0] if gpus else "CPU"
+    if req in devs or any(d.split(".")[0] == req for d in devs):
+        return req
+    raise DeviceError(f"device {requested!r} is not available; OpenVINO sees: {', '.join(devs) or 'nothing'}")
+
+
+def compile_properties(
+    device: str, *, threads: int | None = None, exact: bool = False, kv_precision: str | None = None
+) -> dict[str, Any]:
+    """Properties for compiling a stage. ``exact`` = f32 everywhere (for parity tests)."""
+    props: dict[str, Any] = {"PERFORMANCE_HINT": "LATENCY"}
+    kind = device.split(".")[0]
+    if kind in ("CPU", "GPU"):
+        props["KV_CACHE_PRECISION"] = "f32" if exact else (kv_precision or "f16")
+    if exact:
+        props["INFERENCE_PRECISION_HINT"] = "f32"
+    if kind == "CPU" and threads:
+        props["INFERENCE_NUM_THREADS"] = int(threads)
+    return props

@@ -1,0 +1,53 @@
+"""Token choice as a pure, deterministic function of (logits, sampling settings, seed, position).
+
+Greedy is argmax. Sampling is Gumbel-max over the top-p nucleus of softmax(logits / T), with
+the noise drawn from a generator keyed by (seed, position): the same request gives the same
+tokens however it is scheduled, split or speculated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0) or self.temperature > 100:
+            raise ValueError("temperature must be between 0 and 100")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError("top_p must be in (0, 1]")
+        if not (0 <= self.seed < 2**63):
+            raise ValueError("seed must be a non-negative 64-bit integer")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def gumbel_noise(n: int, seed: int, position: int) -> np.ndarray:
+    rng = np.random.Generator(np.random.Philox(key=[seed & (2**64 - 1), position & (2**64 - 1)]))
+    u = rng.random(n)
+    return -np.log(-np.log(np.clip(u, 1e-300, 1.0 - 1e-16)))
+
+
+def choose_token(logits: np.ndarray, s: Sampling, position: int) -> int:
+    """The token for ``position`` given that position's logits (1-D)."""
+    if s.greedy:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / s.temperature
+    if s.top_p < 1.0:
+        order = np.argsort(-z, kind="stable")
+        p = np.exp(z[order] - z[order[0]])
+        p /= p.sum()
+        keep = int(np.searchsorted(np.cumsum(p), s.top_p) + 1)
+        cut = np.full_like(z, -np.inf)
+        cut[order[:keep]] = z[order[:keep]]
+        z = cut
+    return int(np.argmax(z + gumbel_noise(z.shape[0], s.seed, position)))

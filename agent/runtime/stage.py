@@ -1,0 +1,153 @@
+"""One compiled stage and its streams: one InferRequest (own KV state) per stream.
+
+A stream keeps a valid-slot mask over the physical KV slots, the physical length and the
+logical position. Rolling back r speculative slots zeroes their mask entries and steps the
+logical position back; nothing in the KV state is read or written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openvino as ov
+
+from agent.runtime.device import choose_device, compile_properties, core
+
+log = logging.getLogger(__name__)
+
+
+class StageError(ValueError):
+    """Bad input for a stage (shape, dtype, size, unknown stream): the caller's fault."""
+
+
+@dataclass
+class StageOutput:
+    hidden: np.ndarray | None = None  # [1, n, H] for inner stages
+    token_ids: np.ndarray | None = None  # [k] chosen by argmax on the last stage
+    logits: np.ndarray | None = None  # [k, V] on the last stage
+
+
+class Stream:
+    """Per-stream state on one stage."""
+
+    def __init__(self, request: ov.InferRequest) -> None:
+        self.request = request
+        self._mask = np.zeros(256, dtype=np.int64)
+        self.phys = 0  # physical KV slots written
+        self.pos = 0  # logical position of the next token
+
+    def reset(self) -> None:
+        self.request.reset_state()
+        self.phys = self.pos = 0
+        self._mask[:] = 0
+
+    def rollback(self, r: int) -> None:
+        """Disable the last ``r`` written slots (rejected speculative tokens)."""
+        if r < 0 or r > self.phys:
+            raise StageError(f"cannot roll back {r} slots of {self.phys}")
+        if r:
+            self._mask[self.phys - r : self.phys] = 0
+            self.pos -= r
+
+    def masked_slots(self) -> int:
+        return int(self.phys - self._mask[: self.phys].sum())
+
+    def _mask_for(self, n: int) -> np.ndarray:
+        need = self.phys + n
+        if need > self._mask.shape[0]:
+            grown = np.zeros(max(need, 2 * self._mask.shape[0]), dtype=np.int64)
+            grown[: self.phys] = self._mask[: self.phys]
+            self._mask = grown
+        self._mask[self.phys : need] = 1
+        return self._mask[None, :need]
+
+
+class Stage:
+    """A compiled stage IR. Thread-safe per stream (one request per stream)."""
+
+    def __init__(
+        self,
+        stage_dir: Path,
+        *,
+        device: str = "AUTO",
+        threads: int | None = None,
+        exact: bool = False,
+        kv_precision: str | None = None,
+    ) -> None:
+        self.dir = Path(stage_dir)
+        self.manifest: dict[str, Any] = json.loads((self.dir / "manifest.json").read_text())
+        st = self.manifest["stage"]
+        self.index, self.count = int(st["index"]), int(st["count"])
+        self.first, self.last = bool(st["first"]), bool(st["last"])
+        self.full_logits = bool(self.manifest.get("full_logits", False))
+        self.hidden_size = int(self.manifest["hidden_size"])
+        self.vocab_size = int(self.manifest["vocab_size"])
+        self.device = choose_device(device)
+        props = compile_properties(self.device, threads=threads, exact=exact, kv_precision=kv_precision)
+        self.compiled = core().compile_model(str(self.dir / "model.xml"), self.device, props)
+        names = {p.get_any_name() for p in self.compiled.inputs}
+        self.has_beam_idx = "beam_idx" in names
+        self.main_input = "input_ids" if self.first else "hidden_states"
+        self._beam = np.zeros(1, dtype=np.int32)
+        self._lock = threading.Lock()
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        st = self.manifest["stage"]
+        return int(st["layer_start"]), int(st["layer_end"])
+
+    def open_stream(self) -> Stream:
+        with self._lock:
+            return Stream(self.compiled.create_infer_request())
+
+    def check_input(self, x: np.ndarray) -> None:
+        if self.first:
+            if x.dtype != np.int64 or x.ndim != 2 or x.shape[0] != 1 or x.shape[1] < 1:
+                raise StageError(f"stage {self.index} expects token ids int64 [1, n], got {x.dtype} {x.shape}")
+            if x.size and (x.min() < 0 or x.max() >= self.vocab_size):
+                raise StageError(f"token id out of range 0..{self.vocab_size - 1}")
+        elif x.dtype != np.float32 or x.ndim != 3 or x.shape[0] != 1 or x.shape[2] != self.hidden_size:
+            raise StageError(
+                f"stage {self.index} expects hidden states float32 [1, n, {self.hidden_size}], got {x.dtype} {x.shape}"
+            )
+
+    def forward(
+        self, stream: Stream, x: np.ndarray, *, logits_idx: np.ndarray | None = None, validate: bool = True
+    ) -> StageOutput:
+        """Run ``n`` new positions through this stage for ``stream`` (blocking; call off the loop).
+
+        On the last stage, ``logits_idx`` picks which of the n positions produce a token
+        (default: the last one).
+        """
+        if validate:
+            self.check_input(x)
+        n = int(x.shape[1])
+        feed: dict[str, Any] = {
+            self.main_input: x,
+            "attention_mask": stream._mask_for(n),
+            "position_ids": np.arange(stream.pos, stream.pos + n, dtype=np.int64)[None, :],
+        }
+        if self.has_beam_idx:
+            feed["beam_idx"] = self._beam
+        if self.last and not self.full_logits:
+            if logits_idx is None:
+                logits_idx = np.array([n - 1], dtype=np.int64)
+            elif logits_idx.ndim != 1 or logits_idx.size == 0 or logits_idx.min() < 0 or logits_idx.max() >= n:
+                raise StageError(f"logits positions must lie in 0..{n - 1}")
+            feed["logits_idx"] = logits_idx
+        res = stream.request.infer(feed, share_inputs=True, share_outputs=True)
+        stream.phys += n
+        stream.pos += n
+        if not self.last:
+            return StageOutput(hidden=res["hidden_states_out"])
+        if self.full_logits:
+            logits = res["logits"][0]
+            logits = logits[logits_idx] if logits_idx is not None else logits[-1:]
+            return StageOutput(token_ids=np.argmax(logits, axis=-1), logits=logits)
+        return StageOutput(token_ids=res["token_ids"][0], logits=res["logits"][0])

@@ -1,0 +1,72 @@
+"""Tokenizer with the model's own chat template, stop tokens and streaming detokenisation."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+_END_MARKERS = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "<|endoftext|>",
+    "<|end|>",
+    "</s>",
+    "<|eom_id|>",
+)
+
+
+class ChatTokenizer:
+    def __init__(self, tokenizer_dir: Path, config_path: Path | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.tok: Any = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        stops: set[int] = set()
+        if self.tok.eos_token_id is not None:
+            stops.add(int(self.tok.eos_token_id))
+        if config_path is not None and config_path.is_file():
+            eos = json.loads(config_path.read_text()).get("eos_token_id")
+            stops.update(int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None)
+        vocab = self.tok.get_vocab()
+        stops.update(vocab[m] for m in _END_MARKERS if m in vocab)
+        self.stop_ids = frozenset(stops)
+
+    def chat_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        if self.tok.chat_template:
+            out = self.tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+            ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
+            return [int(i) for i in ids]
+        text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+        return self.encode(text)
+
+    def encode(self, text: str) -> list[int]:
+        return [int(i) for i in self.tok.encode(text, add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tok.decode(list(ids), skip_special_tokens=True))
+
+    def stream(self) -> StreamDecoder:
+        return StreamDecoder(self)
+
+
+class StreamDecoder:
+    """Feed token ids one at a time, get text deltas; holds back incomplete UTF-8 sequences."""
+
+    def __init__(self, tok: ChatTokenizer) -> None:
+        self._tok = tok
+        self._ids: list[int] = []
+        self._emitted = 0
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(int(token_id))
+        text = self._tok.decode(self._ids)
+        if text.endswith("\ufffd"):
+            return ""
+        delta = text[self._emitted :]
+        self._emitted = len(text)
+        return delta
+
+    def text(self) -> str:
+        return self._tok.decode(self._ids)
