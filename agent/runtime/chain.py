@@ -20,11 +20,17 @@ class Generation:
     finish_reason: str = "length"
     prefill_s: float = 0.0
     decode_s: float = 0.0  # from the first token to the last
+    step_s: list[float] = field(default_factory=list)  # each decode step after the first token
 
     @property
     def decode_tok_s(self) -> float:
         n = len(self.tokens) - 1
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+    @property
+    def median_tok_s(self) -> float:
+        """Decode speed from the median step time: robust to a preempted step on a busy machine."""
+        return 1.0 / float(np.median(self.step_s)) if self.step_s else 0.0
 
 
 class Chain:
@@ -70,7 +76,7 @@ class Chain:
         g = Generation()
         ids = np.asarray(prompt, dtype=np.int64)[None, :]
         t0 = time.perf_counter()
-        t_first = t0
+        t_first = t_prev = t0
         for step in range(max_tokens):
             out = self.forward(streams, ids)
             assert out.token_ids is not None and out.logits is not None
@@ -78,9 +84,13 @@ class Chain:
             tok = int(out.token_ids[-1]) if s.greedy else choose_token(out.logits[-1], s, pos)
             if keep_logits:
                 g.logits.append(np.array(out.logits[-1], copy=True))
+            now = time.perf_counter()
             if step == 0:
-                t_first = time.perf_counter()
+                t_first = now
                 g.prefill_s = t_first - t0
+            else:
+                g.step_s.append(now - t_prev)
+            t_prev = now
             if tok in stop_ids:
                 g.finish_reason = "stop"
                 break

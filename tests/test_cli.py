@@ -1,0 +1,46 @@
+"""The ``lakeshard`` command: bad arguments get one clear line and exit status 2, never a traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import run_cli
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["export", "smollm2-135m"], "one of the arguments --stages --split is required"),
+        (["export", "smollm2-135m", "--stages", "0"], "expected a positive integer"),
+        (["export", "smollm2-135m", "--stages", "two"], "expected a positive integer"),
+        (["export", "smollm2-135m", "--stages", "31"], "cannot split 30 layers into 31 stages"),
+        (["export", "smollm2-135m", "--split", "40"], "split points must be increasing"),
+        (["export", "smollm2-135m", "--split", "a,b"], "expected layer numbers"),
+        (["export", "smollm2-135m", "--stages", "2", "--split", "10"], "not allowed with argument"),
+        (["export", "smollm2-135m", "--stages", "2", "--weights", "int3"], "invalid choice: 'int3'"),
+        (["export", "smollm2-135m", "--stages", "2", "--group-size", "0"], "group size must be positive"),
+        (["export", "no-such-model", "--stages", "2"], "unknown model 'no-such-model'"),
+        (["export", "/nonexistent/model.gguf", "--stages", "2"], "unknown model '/nonexistent/model.gguf'"),
+        (["generate", "smollm2-135m", "--prompt", "hi", "--temperature", "-1"], "temperature must be"),
+        (["generate", "smollm2-135m", "--prompt", "hi", "--top-p", "2"], "top_p must be"),
+        (["generate", "smollm2-135m", "--prompt", "hi", "--device", "NPU"], "device 'NPU' is not available"),
+        (["generate", "smollm2-135m"], "the following arguments are required: --prompt"),
+        (["models", "pull", "gpt-5"], "unknown model 'gpt-5'"),
+        (["models", "pull", "smollm2-135m", "--find-links", "/nonexistent"], "not a directory"),
+        (["models", "import", "/nonexistent/dir"], "does not exist"),
+        (["bench", "parity", "--runs", "0"], "expected a positive integer"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
+def test_bad_arguments_get_a_clear_error(smollm2, args: list[str], message: str) -> None:  # type: ignore[no-untyped-def]
+    r = run_cli(*args)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_help_lists_the_subcommands() -> None:
+    r = run_cli("--help")
+    assert r.returncode == 0
+    for cmd in ("models", "export", "generate", "bench"):
+        assert cmd in r.stdout
