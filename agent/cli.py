@@ -30,6 +30,26 @@ def _positive_int(v: str) -> int:
     return i
 
 
+def _port(v: str) -> int:
+    try:
+        p = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {v!r}") from None
+    if not 0 <= p <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {p}")
+    return p
+
+
+def _nodes(v: str) -> list[str]:
+    out = []
+    for item in v.split(","):
+        host, sep, port = item.strip().rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise argparse.ArgumentTypeError(f"expected host:port, got {item!r}")
+        out.append(f"{host}:{int(port)}")
+    return out
+
+
 def _cuts(v: str) -> list[int]:
     try:
         cuts = [int(x) for x in v.split(",") if x.strip()]
@@ -92,6 +112,41 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--threads", type=_positive_int, help="CPU inference threads")
     gen.add_argument("--stats", action="store_true", help="print speed figures to stderr")
 
+    ag = sub.add_parser("agent", help="run this machine's agent: serve a pipeline stage over websockets")
+    ag.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces)")
+    ag.add_argument("--port", type=_port, default=7700)
+    ag.add_argument("--device", default="AUTO", help="AUTO (GPU if present, else CPU), CPU, GPU or NPU")
+    ag.add_argument("--threads", type=_positive_int, help="CPU inference threads")
+
+    sv = sub.add_parser("serve", help="coordinate a pipeline over agents and serve the OpenAI-compatible API")
+    sv.add_argument("--nodes", required=True, type=_nodes, help="agents as host:port,host:port,... in stage order")
+    sv.add_argument("--model", default="smollm2-135m")
+    _add_weights_args(sv)
+    sv.add_argument("--split", type=_cuts, help="first layer of each stage after the first (default: by cost)")
+    sv.add_argument("--api-host", default="127.0.0.1")
+    sv.add_argument("--api-port", type=_port, default=8000)
+    sv.add_argument("--api-key", help="required from clients (mandatory when --api-host is not loopback)")
+    sv.add_argument("--data-host", default="127.0.0.1", help="address agents reach the coordinator on")
+    sv.add_argument("--data-port", type=_port, default=0)
+    sv.add_argument("--streams", type=_positive_int, default=4, help="streams in flight at once (micro-batching)")
+    sv.add_argument("--link-delay-ms", type=float, default=0.0, help="added one-way delay per hop (WAN stand-in)")
+    sv.add_argument("--wire", choices=["f16", "f32"], default="f16", help="hidden-state dtype between stages")
+    sv.add_argument("--exact", action="store_true", help="f32 activations, KV cache and wire (for parity checks)")
+
+    ch = sub.add_parser("chat", help="chat in the terminal with a coordinator's API")
+    ch.add_argument("--url", default="http://127.0.0.1:8000", help="the coordinator's API base URL")
+    ch.add_argument("--api-key")
+    ch.add_argument("--once", metavar="TEXT", help="ask one question, print the answer and exit")
+    ch.add_argument("--max-tokens", type=_positive_int, default=512)
+    ch.add_argument("--temperature", type=float, default=0.0)
+
+    dm = sub.add_parser("demo", help="start a local cluster of agent processes and answer one chat through it")
+    dm.add_argument("--model", default="smollm2-135m")
+    dm.add_argument("--nodes", type=_positive_int, default=2, help="agent processes (stages)")
+    _add_weights_args(dm)
+    dm.add_argument("--prompt", default="Explain in two sentences why splitting a language model across laptops helps.")
+    dm.add_argument("--max-tokens", type=_positive_int, default=200)
+
     b = sub.add_parser("bench", help="benchmarks (JSON on the last line)")
     bsub = b.add_subparsers(dest="bench_cmd", required=True, metavar="SUITE")
     par = bsub.add_parser("parity", help="monolithic reference vs our runner, shards and chains")
@@ -130,9 +185,10 @@ def _is_user_error(e: Exception) -> bool:
     from agent.export.exporter import ExportError
     from agent.models.store import StoreError
     from agent.runtime.device import DeviceError
+    from coordinator.pipeline import PipelineError
     from coordinator.planner import PlanError
 
-    return isinstance(e, StoreError | ExportError | CheckpointError | PlanError | DeviceError)
+    return isinstance(e, StoreError | ExportError | CheckpointError | PlanError | DeviceError | PipelineError)
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -142,6 +198,24 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _export(args)
     if args.cmd == "generate":
         return _generate(args)
+    if args.cmd == "agent":
+        from agent.runtime.device import choose_device
+        from agent.server import run_agent
+
+        choose_device(args.device)
+        print(f"lakeshard agent listening on {args.host}:{args.port}", flush=True)
+        run_agent(args.host, args.port, device=args.device, threads=args.threads)
+        return 0
+    if args.cmd == "serve":
+        return _serve(args)
+    if args.cmd == "chat":
+        from coordinator.chat_client import run_chat
+
+        return run_chat(args)
+    if args.cmd == "demo":
+        from coordinator.demo import run_demo
+
+        return run_demo(args)
     if args.cmd == "bench":
         from agent.bench import parity
 
@@ -212,6 +286,49 @@ def _export(args: argparse.Namespace) -> int:
     peak = max(m["export_peak_rss_mb"] for m in res.manifests)
     print(f"export: {res.dir} (peak RSS of one stage's export: {peak:.0f} MB)")
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import ipaddress
+
+    from agent.models.store import ModelStore
+    from coordinator.serve import ServeConfig, run_coordinator
+
+    loopback = args.api_host in ("localhost",) or (
+        _is_ip(args.api_host) and ipaddress.ip_address(args.api_host).is_loopback
+    )
+    if not loopback and not args.api_key:
+        raise CliError("--api-host is not a loopback address: set --api-key so the API is not open to the network")
+    if args.link_delay_ms < 0:
+        raise CliError("--link-delay-ms must not be negative")
+    model = ModelStore().resolve(args.model)
+    cfg = ServeConfig(
+        nodes=args.nodes,
+        model=model,
+        opts=_export_opts(model, args),
+        split=args.split,
+        api_host=args.api_host,
+        api_port=args.api_port,
+        api_key=args.api_key,
+        data_host=args.data_host,
+        data_port=args.data_port,
+        max_streams=args.streams,
+        link_delay_ms=args.link_delay_ms,
+        wire_dtype="f32" if args.exact else args.wire,
+        exact=args.exact,
+    )
+    run_coordinator(cfg)
+    return 0
+
+
+def _is_ip(v: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(v)
+    except ValueError:
+        return False
+    return True
 
 
 def _generate(args: argparse.Namespace) -> int:

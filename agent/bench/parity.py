@@ -1,7 +1,8 @@
 """``lakeshard bench parity``: the monolithic reference against our runner, shards and chains.
 
 All variants are compiled in one process on the same cores and run interleaved (one run of
-each per round), so slow drift of the machine hits every variant alike. Decode speed is
+each per round, the order rotated every round), so drift of the machine hits every variant
+alike. Decode speed is
 measured the same way for every variant: one over the median time of a decode step (the
 steps after the first token; GenAI reports the same per-step durations), so a step delayed
 by another tenant of the machine does not decide the figure. The result is the median over
@@ -103,8 +104,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fn()
     speeds: dict[str, list[float]] = {k: [] for k in runners}
     outputs: dict[str, list[int]] = {}
+    names = list(runners)
     for r in range(args.runs):
-        for name, fn in runners.items():
+        # rotate the order every round: no variant always runs first, or right after another
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            fn = runners[name]
             toks, tps = fn()
             speeds[name].append(tps)
             outputs.setdefault(name, toks)
@@ -118,7 +122,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": model.name,
         "weights": weights,
         "threads": threads,
-        "precision": "f32" if exact else str(core().get_property("CPU", "INFERENCE_PRECISION_HINT")),
+        "precision": "f32" if exact else core().get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name(),
         "tokens": args.tokens,
         "runs": args.runs,
         "split2": two,

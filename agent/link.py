@@ -1,0 +1,108 @@
+"""An outgoing websocket link with an optional one-way delay (the WAN stand-in).
+
+Frames are queued with their due time (now + delay) and sent in order by one task, so a
+delayed frame never holds back the frames queued after it beyond their own due time: every
+frame sees the same one-way latency, whichever stream it belongs to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+
+from agent.protocol import MAX_FRAME
+
+log = logging.getLogger(__name__)
+HEARTBEAT_S = 5.0
+
+
+class LinkClosed(ConnectionError):
+    pass
+
+
+class Link:
+    def __init__(
+        self,
+        url: str,
+        *,
+        delay_ms: float = 0.0,
+        on_frame: Callable[[bytes], Awaitable[None]] | None = None,
+        queue_size: int = 1024,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        self.url = url
+        self.delay_s = max(0.0, delay_ms) / 1000.0
+        self._on_frame = on_frame
+        self._queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(queue_size)
+        self._connect_timeout = connect_timeout
+        self._session: aiohttp.ClientSession | None = None
+        self._ws: aiohttp.ClientWebSocketResponse | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closed = False
+
+    async def async_connect(self) -> None:
+        self._session = aiohttp.ClientSession()
+        deadline = time.monotonic() + self._connect_timeout
+        while True:
+            try:
+                self._ws = await self._session.ws_connect(
+                    self.url, heartbeat=HEARTBEAT_S, max_msg_size=MAX_FRAME, compress=0
+                )
+                break
+            except (aiohttp.ClientError, OSError) as e:
+                if time.monotonic() > deadline:
+                    await self._session.close()
+                    raise LinkClosed(f"cannot connect to {self.url}: {e}") from e
+                await asyncio.sleep(0.1)
+        self._tasks = [asyncio.create_task(self._sender()), asyncio.create_task(self._receiver())]
+
+    async def async_send(self, frame: bytes) -> None:
+        if self._closed:
+            raise LinkClosed(f"link to {self.url} is closed")
+        await self._queue.put((time.monotonic() + self.delay_s, frame))
+
+    async def _sender(self) -> None:
+        assert self._ws is not None
+        try:
+            while True:
+                due, frame = await self._queue.get()
+                wait = due - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                await self._ws.send_bytes(frame)
+        except (ConnectionError, aiohttp.ClientError) as e:
+            log.warning("link to %s failed: %s", self.url, e)
+            self._closed = True
+
+    async def _receiver(self) -> None:
+        assert self._ws is not None
+        async for msg in self._ws:
+            if msg.type == aiohttp.WSMsgType.BINARY and self._on_frame is not None:
+                try:
+                    await self._on_frame(msg.data)
+                except Exception:
+                    log.exception("handling a frame from %s failed", self.url)
+            elif msg.type == aiohttp.WSMsgType.ERROR:
+                break
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self._ws is None or self._ws.closed
+
+    async def async_close(self) -> None:
+        self._closed = True
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self._ws is not None:
+            await self._ws.close()
+        if self._session is not None:
+            await self._session.close()

@@ -1,0 +1,170 @@
+"""The agent's aiohttp server: the stage websocket (``/ws``) and the local status API.
+
+Frames from any peer (the coordinator, the previous stage) go into one bounded queue and are
+computed in arrival order on the stage's compute thread. Results go straight to the next hop.
+A frame that fails validation is answered with an ``Error`` on the connection it came from
+and, when it belongs to a stream, the error also travels on along the ring so the
+coordinator learns of it; other streams are never touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from agent.link import HEARTBEAT_S, Link
+from agent.protocol import MAX_FRAME, Assign, Close, Error, Fwd, ProtocolError, decode, encode
+from agent.stage_host import Output, StageHost
+
+log = logging.getLogger(__name__)
+
+HOST = web.AppKey("host", StageHost)
+
+
+@dataclass
+class Job:
+    fwd: Fwd
+    payload: memoryview
+    reply: web.WebSocketResponse
+
+
+class AgentRuntime:
+    """The queue, the compute loop and the next-hop link of one agent."""
+
+    def __init__(self, host: StageHost, queue_size: int = 256) -> None:
+        self.host = host
+        self.jobs: asyncio.Queue[Job | Close | Error] = asyncio.Queue(queue_size)
+        self.next: Link | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def async_start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def async_set_next(self, url: str, delay_ms: float) -> None:
+        old, self.next = self.next, Link(url, delay_ms=delay_ms, on_frame=self._on_next_reply)
+        if old is not None:
+            await old.async_close()
+        await self.next.async_connect()
+
+    async def _on_next_reply(self, frame: bytes) -> None:
+        # The next hop answers only with errors about frames we forwarded; they also went on
+        # along the ring to the coordinator, so they are only logged here.
+        with contextlib.suppress(ProtocolError):
+            msg, _ = decode(frame)
+            log.info("next hop reported: %s", msg)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            item = await self.jobs.get()
+            if isinstance(item, Close | Error):
+                if item.stream:
+                    self.host.close_stream(item.stream)
+                await self._forward(encode(item))
+                continue
+            try:
+                out: Output = await loop.run_in_executor(self.host.executor, self.host.process, item.fwd, item.payload)
+            except ProtocolError as e:
+                await self.report(e, item.reply)
+                continue
+            except Exception as e:  # never let one frame take the agent down
+                log.exception("stage failed on stream %s", item.fwd.stream)
+                await self.report(ProtocolError("internal", str(e), item.fwd.stream, item.fwd.seq), item.reply)
+                continue
+            await self._forward(encode(out.message, out.payload))
+
+    async def _forward(self, frame: bytes) -> None:
+        if self.next is None or self.next.closed:
+            log.warning("no next hop: dropping a frame")
+            return
+        await self.next.async_send(frame)
+
+    async def report(self, e: ProtocolError, reply: web.WebSocketResponse | None) -> None:
+        self.host.errors += 1
+        stage = self.host.assignment.stage if self.host.assignment else None
+        err = Error(code=e.code, message=str(e), stream=e.stream, seq=e.seq, stage=stage)
+        log.info("refused a frame: %s", err)
+        frame = encode(err)
+        if reply is not None and not reply.closed:
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await reply.send_bytes(frame)
+        if e.stream is not None and self.host.assignment is not None and e.code != "stale_term":
+            await self._forward(frame)
+
+    async def async_close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self.next is not None:
+            await self.next.async_close()
+        self.host.shutdown()
+
+
+RUNTIME = web.AppKey("runtime", AgentRuntime)
+
+
+async def ws_handler(request: web.Request) -> web.WebSocketResponse:
+    rt = request.app[RUNTIME]
+    ws = web.WebSocketResponse(heartbeat=HEARTBEAT_S, max_msg_size=MAX_FRAME, compress=False)
+    await ws.prepare(request)
+    async for m in ws:
+        if m.type == aiohttp.WSMsgType.BINARY:
+            await _on_frame(rt, ws, m.data)
+        elif m.type == aiohttp.WSMsgType.TEXT:
+            await rt.report(ProtocolError("bad_frame", "frames must be binary"), ws)
+        elif m.type == aiohttp.WSMsgType.ERROR:
+            log.info("websocket error: %s", ws.exception())
+    return ws
+
+
+async def _on_frame(rt: AgentRuntime, ws: web.WebSocketResponse, data: bytes) -> None:
+    try:
+        msg, payload = decode(data)
+        if isinstance(msg, Fwd):
+            rt.host.check_term(msg.term)
+            await rt.jobs.put(Job(msg, payload, ws))
+        elif isinstance(msg, Assign):
+            assigned = await rt.host.async_assign(msg)
+            await rt.async_set_next(msg.next_hop, msg.link_delay_ms)
+            await ws.send_bytes(encode(assigned))
+        elif isinstance(msg, Close | Error):
+            await rt.jobs.put(msg)
+        else:
+            raise ProtocolError("unexpected", f"an agent does not accept {msg.TYPE!r} frames")
+    except ProtocolError as e:
+        await rt.report(e, ws)
+    except Exception as e:
+        log.exception("frame handling failed")
+        await rt.report(ProtocolError("internal", str(e)), ws)
+
+
+async def node_handler(request: web.Request) -> web.Response:
+    return web.json_response(request.app[HOST].status())
+
+
+def make_app(host: StageHost) -> web.Application:
+    app = web.Application(client_max_size=MAX_FRAME)
+    app[HOST] = host
+    app.router.add_get("/ws", ws_handler)
+    app.router.add_get("/v1/node", node_handler)
+
+    async def runtime_ctx(app: web.Application) -> AsyncIterator[None]:
+        rt = AgentRuntime(app[HOST])
+        app[RUNTIME] = rt
+        await rt.async_start()
+        yield
+        await rt.async_close()
+
+    app.cleanup_ctx.append(runtime_ctx)
+    return app
+
+
+def run_agent(host: str, port: int, device: str = "AUTO", threads: int | None = None) -> None:
+    web.run_app(make_app(StageHost(device=device, threads=threads)), host=host, port=port, print=None)

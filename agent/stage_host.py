@@ -1,0 +1,222 @@
+"""What an agent serves: one assigned stage, its streams, and the compute thread.
+
+Network-free, so it can be driven by the websocket server or directly. All OpenVINO work
+(compiling, inference) runs on one dedicated thread, never on the event loop; frames are
+processed in arrival order, which keeps each stream's steps in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from agent.paths import cache_dir
+from agent.protocol import Assign, Assigned, Fwd, Ids, Message, ProtocolError, tensor
+from agent.runtime.sampling import Sampling, choose_token
+from agent.runtime.stage import Stage, StageError, Stream
+
+log = logging.getLogger(__name__)
+MAX_STREAMS = 256
+STAGE_FILES = ("model.xml", "model.bin")
+
+
+@dataclass
+class Output:
+    message: Message
+    payload: bytes = b""
+
+
+def _sha256(p: Path) -> str:
+    h = hashlib.sha256()
+    with p.open("rb") as f:
+        while b := f.read(8 << 20):
+            h.update(b)
+    return h.hexdigest()
+
+
+class StageHost:
+    def __init__(self, *, device: str = "AUTO", threads: int | None = None) -> None:
+        self.device = device
+        self.threads = threads
+        self.term_seen = 0
+        self.assignment: Assign | None = None
+        self.stage: Stage | None = None
+        self.streams: dict[str, Stream] = {}
+        self._free: list[Stream] = []
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
+        self.frames = 0
+        self.errors = 0
+
+    # -- assignment --------------------------------------------------------------------------
+    async def async_assign(self, msg: Assign) -> Assigned:
+        if msg.term < self.term_seen:
+            raise ProtocolError("stale_term", f"assignment of term {msg.term} refused: term {self.term_seen} seen")
+        self.term_seen = msg.term
+        t0 = time.monotonic()
+        stage_dir = await self._artifacts(msg)
+        loop = asyncio.get_running_loop()
+        stage = await loop.run_in_executor(self.executor, self._compile, stage_dir, msg.exact)
+        if stage.index != msg.stage or stage.count != msg.stages:
+            raise ProtocolError("bad_artifact", f"artifacts are stage {stage.index}/{stage.count}, not {msg.stage}")
+        self.stage, self.assignment = stage, msg
+        self.streams.clear()
+        self._free.clear()
+        return Assigned(term=msg.term, stage=msg.stage, device=stage.device, compile_s=time.monotonic() - t0)
+
+    def _compile(self, stage_dir: Path, exact: bool) -> Stage:
+        return Stage(stage_dir, device=self.device, threads=self.threads, exact=exact)
+
+    async def _artifacts(self, msg: Assign) -> Path:
+        """The stage's files: shared on disk if they match, else fetched over HTTP and verified."""
+        if msg.local_dir:
+            d = Path(msg.local_dir)
+            man = d / "manifest.json"
+            if man.is_file() and _sha256(man) == msg.manifest_sha256:
+                return d
+        dest = cache_dir() / "artifacts" / msg.manifest_sha256[:32]
+        if (dest / "manifest.json").is_file():
+            return dest
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".fetch-", dir=dest.parent))
+        try:
+            async with aiohttp.ClientSession() as s:
+                base = msg.artifacts_url.rstrip("/")
+                await _download(s, f"{base}/manifest.json", tmp / "manifest.json")
+                if _sha256(tmp / "manifest.json") != msg.manifest_sha256:
+                    raise ProtocolError("bad_artifact", "manifest hash does not match the assignment")
+                manifest = json.loads((tmp / "manifest.json").read_text())
+                for name in STAGE_FILES:
+                    await _download(s, f"{base}/{name}", tmp / name)
+                    if _sha256(tmp / name) != manifest["files"][name]["sha256"]:
+                        raise ProtocolError("bad_artifact", f"{name}: sha256 does not match the manifest")
+            if not dest.exists():
+                tmp.rename(dest)
+            return dest
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    # -- frames (compute thread) -----------------------------------------------------------
+    def check_term(self, term: int) -> None:
+        a = self.assignment
+        if a is None:
+            raise ProtocolError("not_assigned", "this agent serves no stage yet")
+        if term != a.term:
+            code = "stale_term" if term < a.term else "unknown_term"
+            raise ProtocolError(code, f"frame of term {term}, stage assigned in term {a.term}")
+
+    def process(self, fwd: Fwd, payload: memoryview) -> Output:
+        """Run one Fwd frame (on the compute thread). Raises ProtocolError for bad input."""
+        stage, a = self.stage, self.assignment
+        assert stage is not None and a is not None
+        try:
+            if stage.first:
+                if fwd.dtype not in ("i32", "i64"):
+                    raise ProtocolError("bad_dtype", f"stage 0 takes token ids (i32/i64), not {fwd.dtype}")
+                x = tensor(fwd, payload, 0).astype(np.int64)
+            else:
+                if fwd.dtype not in ("f16", "f32"):
+                    raise ProtocolError(
+                        "bad_dtype", f"stage {stage.index} takes hidden states (f16/f32), not {fwd.dtype}"
+                    )
+                x = tensor(fwd, payload, stage.hidden_size).astype(np.float32)
+            st = self._stream(fwd)
+            if fwd.rollback:
+                st.rollback(fwd.rollback)
+            pos0 = st.pos
+            idx = np.asarray(fwd.logits, dtype=np.int64) if fwd.logits else None
+            try:
+                out = stage.forward(st, x, logits_idx=idx)
+            except StageError:
+                raise
+            except RuntimeError as e:  # OpenVINO rejected the input
+                raise StageError(f"inference failed: {e}") from e
+        except StageError as e:
+            raise ProtocolError("bad_input", str(e), fwd.stream, fwd.seq) from None
+        except ProtocolError as e:
+            e.stream, e.seq = fwd.stream, fwd.seq
+            raise
+        self.frames += 1
+        if not stage.last:
+            assert out.hidden is not None
+            wire = a.wire_dtype
+            h = out.hidden.astype(np.float16) if wire == "f16" else out.hidden
+            nxt = Fwd(
+                term=fwd.term,
+                stream=fwd.stream,
+                seq=fwd.seq,
+                n=fwd.n,
+                dtype=wire,
+                start=fwd.start,
+                rollback=fwd.rollback,
+                logits=fwd.logits,
+                sampling=fwd.sampling,
+                sent_at=fwd.sent_at,
+            )
+            return Output(nxt, h.tobytes())
+        assert out.token_ids is not None and out.logits is not None
+        s = fwd.sampling
+        if s.temperature == 0.0:
+            toks = tuple(int(t) for t in out.token_ids)
+        else:
+            sp = Sampling(s.temperature, s.top_p, s.seed)
+            rows = list(fwd.logits) if fwd.logits else [fwd.n - 1]
+            toks = tuple(choose_token(out.logits[k], sp, pos0 + rows[k]) for k in range(len(rows)))
+        return Output(Ids(term=fwd.term, stream=fwd.stream, seq=fwd.seq, tokens=toks, sent_at=fwd.sent_at))
+
+    def _stream(self, fwd: Fwd) -> Stream:
+        st = self.streams.get(fwd.stream)
+        if fwd.start:
+            if st is None:
+                if len(self.streams) >= MAX_STREAMS:
+                    raise ProtocolError("too_many_streams", f"this stage holds {MAX_STREAMS} streams already")
+                assert self.stage is not None
+                st = self._free.pop() if self._free else self.stage.open_stream()
+                self.streams[fwd.stream] = st
+            st.reset()
+            return st
+        if st is None:
+            raise ProtocolError("unknown_stream", f"unknown stream {fwd.stream!r} (start it with start=true)")
+        return st
+
+    def close_stream(self, stream: str) -> None:
+        st = self.streams.pop(stream, None)
+        if st is not None and len(self._free) < 8:
+            self._free.append(st)  # keep a few requests for reuse (reset on the next start)
+
+    def status(self) -> dict[str, Any]:
+        a, s = self.assignment, self.stage
+        return {
+            "term_seen": self.term_seen,
+            "assigned": a is not None,
+            "stage": None if a is None else a.stage,
+            "stages": None if a is None else a.stages,
+            "layers": None if s is None else list(s.layers),
+            "device": None if s is None else s.device,
+            "streams": len(self.streams),
+            "frames": self.frames,
+            "errors": self.errors,
+        }
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+async def _download(s: aiohttp.ClientSession, url: str, dest: Path) -> None:
+    async with s.get(url) as r:
+        if r.status != 200:
+            raise ProtocolError("bad_artifact", f"GET {url}: HTTP {r.status}")
+        with dest.open("wb") as f:
+            async for chunk in r.content.iter_chunked(1 << 20):
+                f.write(chunk)

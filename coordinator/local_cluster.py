@@ -1,0 +1,96 @@
+"""Agent processes on this machine: the stand-in for laptops in tests, benchmarks and ``make run``.
+
+Each agent is a separate process (``lakeshard agent``), optionally pinned to its own cores
+before OpenVINO is imported (its CPU plugin pins threads from the affinity it starts with).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LocalCluster:
+    def __init__(
+        self,
+        n: int,
+        *,
+        cores: Sequence[Sequence[int]] | None = None,
+        threads: int | None = None,
+        env: dict[str, str] | None = None,
+        log_dir: Path | None = None,
+    ) -> None:
+        if cores is not None and len(cores) != n:
+            raise ValueError("one core set per agent")
+        self.n = n
+        self.cores = cores
+        self.threads = threads
+        self.env = env or {}
+        self.log_dir = log_dir
+        self.ports: list[int] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def nodes(self) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.ports]
+
+    def start(self, timeout: float = 60.0) -> LocalCluster:
+        for i in range(self.n):
+            port = free_port()
+            cmd = [sys.executable, "-m", "agent", "agent", "--host", "127.0.0.1", "--port", str(port)]
+            threads = self.threads or (len(self.cores[i]) if self.cores else None)
+            if threads:
+                cmd += ["--threads", str(threads)]
+            if self.cores is not None:
+                cmd = ["taskset", "-c", ",".join(map(str, self.cores[i])), *cmd]
+            out = open(self.log_dir / f"agent{i}.log", "wb") if self.log_dir else subprocess.DEVNULL  # noqa: SIM115
+            env = {**os.environ, "PYTHONWARNINGS": "ignore", **self.env}
+            self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env))
+            self.ports.append(port)
+        deadline = time.monotonic() + timeout
+        for port, proc in zip(self.ports, self.procs, strict=True):
+            while True:
+                if proc.poll() is not None:
+                    self.stop()
+                    raise RuntimeError(f"agent on port {port} exited with status {proc.returncode}")
+                with socket.socket() as s:
+                    if s.connect_ex(("127.0.0.1", port)) == 0:
+                        break
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"agent on port {port} did not start within {timeout:.0f}s")
+                time.sleep(0.1)
+        return self
+
+    def kill(self, i: int) -> None:
+        self.procs[i].kill()
+        self.procs[i].wait()
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()

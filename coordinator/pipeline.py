@@ -1,0 +1,220 @@
+"""The coordinator's end of the ring: assign stages, send steps to stage 0, collect ids.
+
+``coordinator --fwd--> stage 0 --fwd--> ... --> stage N-1 --ids--> coordinator``
+
+Each step of a stream is one ``Fwd`` frame carrying token ids; the last stage answers with an
+``Ids`` frame on the coordinator's return websocket. Many streams can be in flight at once:
+that is what keeps every stage busy (micro-batching).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+
+from agent.link import HEARTBEAT_S, Link
+from agent.protocol import (
+    MAX_FRAME,
+    Assign,
+    Assigned,
+    Close,
+    Error,
+    Fwd,
+    Ids,
+    ProtocolError,
+    SamplingSpec,
+    decode,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+
+
+class PipelineError(RuntimeError):
+    def __init__(self, message: str, code: str = "pipeline") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    node: str  # host:port of the agent
+    stage_dir: Path
+
+
+def _sha256(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+class Pipeline:
+    def __init__(
+        self,
+        placements: Sequence[StagePlacement],
+        *,
+        export_id: str,
+        return_url: str,
+        artifacts_url: str,
+        term: int = 1,
+        link_delay_ms: float = 0.0,
+        wire_dtype: str = "f16",
+        exact: bool = False,
+    ) -> None:
+        self.placements = list(placements)
+        self.export_id = export_id
+        self.return_url = return_url
+        self.artifacts_url = artifacts_url.rstrip("/")
+        self.term = term
+        self.link_delay_ms = link_delay_ms
+        self.wire_dtype = wire_dtype
+        self.exact = exact
+        self._session: aiohttp.ClientSession | None = None
+        self._control: list[aiohttp.ClientWebSocketResponse] = []
+        self._link: Link | None = None
+        self._pending: dict[tuple[str, int], asyncio.Future[tuple[int, ...]]] = {}
+        self._seq = itertools.count()
+        self.assigned: list[Assigned] = []
+        self._watchers: list[asyncio.Task[None]] = []
+
+    # -- set-up ------------------------------------------------------------------------------
+    async def async_start(self, timeout: float = 300.0) -> None:
+        self._session = aiohttp.ClientSession()
+        n = len(self.placements)
+        for p in self.placements:
+            self._control.append(await self._connect(p.node, timeout))
+        # Assign the last stage first: each stage connects to its next hop when assigned.
+        self.assigned = [None] * n  # type: ignore[list-item]
+        for i in reversed(range(n)):
+            p = self.placements[i]
+            nxt = f"ws://{self.placements[i + 1].node}/ws" if i + 1 < n else self.return_url
+            msg = Assign(
+                term=self.term,
+                export_id=self.export_id,
+                stage=i,
+                stages=n,
+                manifest_sha256=_sha256(p.stage_dir / "manifest.json"),
+                artifacts_url=f"{self.artifacts_url}/{self.export_id}/{i}",
+                local_dir=str(p.stage_dir),
+                next_hop=nxt,
+                wire_dtype=self.wire_dtype,
+                exact=self.exact,
+                link_delay_ms=self.link_delay_ms,
+            )
+            ws = self._control[i]
+            await ws.send_bytes(encode(msg))
+            reply = await asyncio.wait_for(ws.receive(), timeout)
+            if reply.type != aiohttp.WSMsgType.BINARY:
+                raise PipelineError(f"agent {p.node} closed the connection during assignment")
+            got, _ = decode(reply.data)
+            if isinstance(got, Error):
+                raise PipelineError(f"agent {p.node} refused stage {i}: {got.message}", got.code)
+            assert isinstance(got, Assigned)
+            self.assigned[i] = got
+            log.info("stage %d on %s (%s), ready in %.1fs", i, p.node, got.device, got.compile_s)
+        self._watchers = [asyncio.create_task(self._watch_control(ws)) for ws in self._control]
+        first = f"ws://{self.placements[0].node}/ws"
+        self._link = Link(first, delay_ms=self.link_delay_ms, on_frame=self.async_on_frame)
+        await self._link.async_connect()
+
+    async def _connect(self, node: str, timeout: float) -> aiohttp.ClientWebSocketResponse:
+        assert self._session is not None
+        deadline = time.monotonic() + min(timeout, 60.0)
+        while True:
+            try:
+                return await self._session.ws_connect(
+                    f"http://{node}/ws", heartbeat=HEARTBEAT_S, max_msg_size=MAX_FRAME, compress=0
+                )
+            except (aiohttp.ClientError, OSError) as e:
+                if time.monotonic() > deadline:
+                    raise PipelineError(f"cannot reach the agent at {node}: {e}", "unreachable") from e
+                await asyncio.sleep(0.2)
+
+    async def _watch_control(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        async for m in ws:
+            if m.type == aiohttp.WSMsgType.BINARY:
+                await self.async_on_frame(m.data)
+
+    # -- data path ---------------------------------------------------------------------------
+    def new_stream(self) -> str:
+        return uuid.uuid4().hex[:16]
+
+    async def async_step(
+        self,
+        stream: str,
+        ids: Sequence[int],
+        *,
+        start: bool = False,
+        rollback: int = 0,
+        logits: Sequence[int] = (),
+        sampling: SamplingSpec | None = None,
+    ) -> tuple[int, ...]:
+        """Send one step of ``stream`` into the ring and wait for the last stage's tokens."""
+        if self._link is None:
+            raise PipelineError("the pipeline is not started")
+        seq = next(self._seq)
+        fut: asyncio.Future[tuple[int, ...]] = asyncio.get_running_loop().create_future()
+        self._pending[(stream, seq)] = fut
+        arr = np.asarray(ids, dtype=np.int32)
+        msg = Fwd(
+            term=self.term,
+            stream=stream,
+            seq=seq,
+            n=int(arr.size),
+            dtype="i32",
+            start=start,
+            rollback=rollback,
+            logits=tuple(logits),
+            sampling=sampling or SamplingSpec(),
+            sent_at=time.time(),
+        )
+        try:
+            await self._link.async_send(encode(msg, arr))
+            return await fut
+        finally:
+            self._pending.pop((stream, seq), None)
+
+    async def async_close_stream(self, stream: str) -> None:
+        if self._link is not None and not self._link.closed:
+            await self._link.async_send(encode(Close(term=self.term, stream=stream)))
+
+    async def async_on_frame(self, frame: bytes) -> None:
+        """A frame back from the ring (or an error from any agent)."""
+        try:
+            msg, _ = decode(frame)
+        except ProtocolError as e:
+            log.warning("bad frame on the return path: %s", e)
+            return
+        if isinstance(msg, Ids):
+            fut = self._pending.get((msg.stream, msg.seq))
+            if fut is not None and not fut.done():
+                fut.set_result(msg.tokens)
+        elif isinstance(msg, Error):
+            log.warning("stage %s reported %s: %s (stream %s)", msg.stage, msg.code, msg.message, msg.stream)
+            for (stream, seq), fut in list(self._pending.items()):
+                ours = (msg.stream is None or stream == msg.stream) and (msg.seq is None or seq == msg.seq)
+                if ours and not fut.done():
+                    fut.set_exception(PipelineError(f"stage {msg.stage}: {msg.message}", msg.code))
+
+    async def async_close(self) -> None:
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(PipelineError("the pipeline is shutting down", "shutdown"))
+        if self._link is not None:
+            await self._link.async_close()
+        for t in self._watchers:
+            t.cancel()
+        for ws in self._control:
+            with contextlib.suppress(Exception):
+                await ws.close()
+        if self._session is not None:
+            await self._session.close()

@@ -1,0 +1,76 @@
+"""Micro-batching scheduler: up to S streams in flight through the pipeline at once.
+
+Each admitted request is a coroutine that sends one step and awaits its token; while it
+waits, the other streams' steps occupy the other stages. Streams join and leave at any step,
+each with its own prompt, length and sampling settings. Requests beyond S wait for a slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field
+
+from agent.protocol import SamplingSpec
+from coordinator.pipeline import Pipeline
+
+log = logging.getLogger(__name__)
+PREFILL_CHUNK = 1024
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    prompt: tuple[int, ...]
+    max_tokens: int = 256
+    sampling: SamplingSpec = field(default_factory=SamplingSpec)
+    stop_ids: frozenset[int] = frozenset()
+
+
+class Scheduler:
+    def __init__(self, pipeline: Pipeline, max_streams: int = 4) -> None:
+        if max_streams < 1:
+            raise ValueError("max_streams must be at least 1")
+        self.pipeline = pipeline
+        self.max_streams = max_streams
+        self._slots = asyncio.Semaphore(max_streams)
+        self.active = 0
+        self.waiting = 0
+        self.tokens_out = 0
+
+    async def async_generate(self, req: GenRequest) -> AsyncGenerator[int, None]:
+        """Yield the generated token ids (stop token excluded) as they arrive."""
+        if not req.prompt:
+            raise ValueError("empty prompt")
+        self.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        self.active += 1
+        stream = self.pipeline.new_stream()
+        try:
+            toks = await self._prefill(stream, req.prompt, req.sampling)
+            for i in range(req.max_tokens):
+                tok = toks[-1]
+                if tok in req.stop_ids:
+                    return
+                self.tokens_out += 1
+                yield tok
+                if i + 1 == req.max_tokens:
+                    return
+                toks = await self.pipeline.async_step(stream, [tok], sampling=req.sampling)
+        finally:
+            self.active -= 1
+            self._slots.release()
+            try:
+                await self.pipeline.async_close_stream(stream)
+            except Exception as e:  # the request is over either way
+                log.info("closing stream %s: %s", stream, e)
+
+    async def _prefill(self, stream: str, prompt: Sequence[int], sampling: SamplingSpec) -> tuple[int, ...]:
+        toks: tuple[int, ...] = ()
+        for off in range(0, len(prompt), PREFILL_CHUNK):
+            chunk = prompt[off : off + PREFILL_CHUNK]
+            toks = await self.pipeline.async_step(stream, chunk, start=off == 0, sampling=sampling)
+        return toks
