@@ -16,7 +16,7 @@ setup: $(STAMP)
 
 run: setup
 	$(BIN)/lakeshard models pull smollm2-135m
-	$(BIN)/lakeshard generate smollm2-135m --stages 2 --prompt "$(PROMPT)" --stats
+	$(BIN)/lakeshard demo --model smollm2-135m --nodes 2 --prompt "$(PROMPT)"
 
 test: setup
 	$(BIN)/ruff check agent coordinator gui tests

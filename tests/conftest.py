@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -99,3 +100,66 @@ def int4_exports(smollm2, export_root: Path) -> dict[int, Path]:  # type: ignore
         assert f"stage {n - 1}:" in r.stdout
         out[n] = d
     return out
+
+
+class Served:
+    """A real cluster: agent processes plus a ``lakeshard serve`` coordinator process."""
+
+    def __init__(self, n: int, *extra: str) -> None:
+        from coordinator.local_cluster import LocalCluster, free_port
+
+        self.cluster = LocalCluster(n).start()
+        self.api_port = free_port()
+        self.api_url = f"http://127.0.0.1:{self.api_port}"
+        cmd = [sys.executable, "-m", "agent", "serve", "--nodes", ",".join(self.cluster.nodes)]
+        cmd += ["--api-port", str(self.api_port), *extra]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+            cwd=REPO,
+        )
+        self.output: list[str] = []
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.output.append(line)
+            if line.startswith("lakeshard: serving"):
+                break
+        else:
+            self.stop()
+            raise RuntimeError("coordinator did not start:\n" + "".join(self.output[-30:]))
+        # keep draining its output so it can never block on a full pipe
+        threading.Thread(target=lambda: self.output.extend(self.proc.stdout or []), daemon=True).start()
+
+    @property
+    def nodes(self) -> list[str]:
+        return self.cluster.nodes
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def served3(smollm2) -> Iterator[Served]:  # type: ignore[no-untyped-def]
+    """3 agents + coordinator, f32 activations and wire (exactly comparable), INT8 weights."""
+    s = Served(3, "--model", "smollm2-135m", "--weights", "int8", "--exact", "--streams", "4")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def whole_int8(smollm2, export_root: Path):  # type: ignore[no-untyped-def]
+    """The whole-model INT8 IR as a 1-stage chain with f32 activations: the reference."""
+    from agent.export.exporter import ExportOptions, export_model
+    from agent.runtime.chain import Chain
+
+    res = export_model(smollm2, [(0, smollm2.num_layers)], ExportOptions(weights="int8"), quiet=True)
+    return Chain.load(res.dir, device="CPU", exact=True)

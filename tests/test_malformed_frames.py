@@ -1,0 +1,98 @@
+"""Bad frames sent straight to real agents get errors; the agents keep serving, and a healthy
+stream running through the same pipeline at the same time finishes exactly as it would alone."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import threading
+from typing import Any
+
+import aiohttp
+import msgpack
+import numpy as np
+
+from agent.protocol import Error, Fwd, decode, encode
+from tests.conftest import PROMPTS, Served
+from tests.test_pipeline import _chat
+
+
+def _raw(header: dict[str, Any], payload: bytes = b"") -> bytes:
+    head = msgpack.packb(header)
+    return struct.pack("<2sBI", b"LS", 1, len(head)) + head + payload
+
+
+async def _attack(node: str, hidden: int, term: int) -> list[tuple[str, str | None]]:
+    """Send one bad frame after another to an agent; collect the error codes it answers with."""
+    base = {"t": "fwd", "term": term, "stream": "intruder", "seq": 1}
+    bad: list[bytes | str] = [
+        b"\x00garbage\xff" * 10,
+        "a text frame",
+        _raw({**base, "n": 2, "dtype": "f16"}, np.zeros((1, 1, hidden), np.float16).tobytes()),  # truncated
+        _raw({**base, "n": 1, "dtype": "i64", "start": True}, np.zeros(1, np.int64).tobytes()),  # wrong dtype
+        _raw({**base, "n": 10**9, "dtype": "f16"}),  # huge declared size
+        _raw({**base, "n": 1, "dtype": "f16"}, np.zeros((1, 1, hidden), np.float16).tobytes()),  # unknown stream
+        _raw({**base, "term": term - 1, "n": 1, "dtype": "f16"}),  # stale term
+        _raw({**base, "t": "ids", "tokens": [1]}),  # a message agents do not take
+        _raw(
+            {**base, "n": 1, "dtype": "f16", "start": True, "rollback": 5},
+            np.zeros((1, 1, hidden), np.float16).tobytes(),
+        ),  # rollback beyond the cache
+    ]
+    codes = []
+    async with aiohttp.ClientSession() as s, s.ws_connect(f"http://{node}/ws", max_msg_size=0) as ws:
+        for frame in bad:
+            if isinstance(frame, str):
+                await ws.send_str(frame)
+            else:
+                await ws.send_bytes(frame)
+            msg = await asyncio.wait_for(ws.receive(), 30)
+            err, _ = decode(msg.data)
+            assert isinstance(err, Error)
+            codes.append((err.code, err.stream))
+    # A frame above the size limit: the agent drops that connection only.
+    async with aiohttp.ClientSession() as s, s.ws_connect(f"http://{node}/ws", max_msg_size=0) as ws:
+        try:
+            await ws.send_bytes(b"\x00" * (300 * 1024 * 1024))
+            msg = await asyncio.wait_for(ws.receive(), 60)
+            assert msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR)
+        except ConnectionError:
+            pass  # the agent closed the connection while the frame was still being sent
+        assert ws.closed or (await asyncio.wait_for(ws.receive(), 10)).type != aiohttp.WSMsgType.BINARY
+    return codes
+
+
+def test_malformed_frames_get_errors_and_healthy_streams_finish(served3: Served) -> None:
+    expected = _chat(served3, PROMPTS[2], max_tokens=64, temperature=0)
+    got: list[str] = []
+    healthy = threading.Thread(target=lambda: got.append(_chat(served3, PROMPTS[2], max_tokens=64, temperature=0)))
+    healthy.start()
+    codes = asyncio.run(_attack(served3.nodes[1], hidden=576, term=1))
+    healthy.join(300)
+    assert [c for c, _ in codes] == [
+        "bad_frame",
+        "bad_frame",
+        "bad_payload",
+        "bad_dtype",
+        "bad_field",
+        "unknown_stream",
+        "stale_term",
+        "unexpected",
+        "bad_input",
+    ]
+    assert got == [expected]
+    # and the pipeline still serves new requests afterwards
+    assert _chat(served3, PROMPTS[2], max_tokens=64, temperature=0) == expected
+
+
+def test_stage_zero_refuses_out_of_range_token_ids(served3: Served) -> None:
+    async def go() -> Error:
+        fwd = Fwd(term=1, stream="evil", seq=0, n=2, dtype="i32", start=True)
+        async with aiohttp.ClientSession() as s, s.ws_connect(f"http://{served3.nodes[0]}/ws") as ws:
+            await ws.send_bytes(encode(fwd, np.array([[1, 10**8]], dtype=np.int32)))
+            err, _ = decode((await asyncio.wait_for(ws.receive(), 30)).data)
+            assert isinstance(err, Error)
+            return err
+
+    err = asyncio.run(go())
+    assert err.code == "bad_input" and "out of range" in err.message and err.stream == "evil"

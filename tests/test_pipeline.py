@@ -1,0 +1,166 @@
+"""The network pipeline: agent processes on loopback, a coordinator, the OpenAI-compatible API."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from typing import Any
+
+import pytest
+
+from agent.runtime.sampling import Sampling
+from tests.conftest import PROMPTS, Served
+
+
+def _post(url: str, body: dict[str, Any], timeout: float = 300) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(
+        f"{url}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _chat(served: Served, prompt: str, **kw: Any) -> str:
+    status, body = _post(served.api_url, {"messages": [{"role": "user", "content": prompt}], **kw})
+    assert status == 200, body
+    return str(body["choices"][0]["message"]["content"])
+
+
+def _reference(whole, tok, prompt: str, max_tokens: int, sampling: Sampling | None = None) -> str:  # type: ignore[no-untyped-def]
+    ids = tok.chat_ids([{"role": "user", "content": prompt}])
+    g = whole.generate(ids, max_tokens=max_tokens, stop_ids=tok.stop_ids, sampling=sampling)
+    return str(tok.decode(g.tokens))
+
+
+def test_three_agents_give_the_whole_model_greedy_tokens(served3: Served, whole_int8, smollm2_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    for prompt in PROMPTS[:2]:
+        got = _chat(served3, prompt, max_tokens=48, temperature=0)
+        assert got == _reference(whole_int8, smollm2_tokenizer, prompt, 48)
+        assert len(got) > 20
+
+
+def test_concurrent_streams_each_equal_their_solo_run(served3: Served) -> None:
+    cases = [
+        (PROMPTS[0], {"max_tokens": 40, "temperature": 0}),
+        (PROMPTS[1], {"max_tokens": 24, "temperature": 0.8, "seed": 5}),
+        (PROMPTS[2], {"max_tokens": 32, "temperature": 1.0, "top_p": 0.9, "seed": 11}),
+    ]
+    solo = [_chat(served3, p, **kw) for p, kw in cases]
+    results: list[str | None] = [None] * len(cases)
+
+    def run(i: int) -> None:
+        p, kw = cases[i]
+        results[i] = _chat(served3, p, **kw)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert results == solo
+
+
+def test_openai_client_streams_a_chat_completion(served3: Served) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{served3.api_url}/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == ["smollm2-135m"]
+    msgs = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    pieces, finish = [], None
+    for chunk in client.chat.completions.create(
+        model="smollm2-135m", messages=msgs, stream=True, max_tokens=40, temperature=0
+    ):  # type: ignore[arg-type]
+        delta = chunk.choices[0].delta.content
+        if delta:
+            pieces.append(delta)
+        finish = chunk.choices[0].finish_reason or finish
+    full = client.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=40, temperature=0)  # type: ignore[arg-type]
+    assert len(pieces) > 3
+    assert "".join(pieces) == full.choices[0].message.content
+    assert finish in ("stop", "length")
+    assert full.usage is not None and full.usage.prompt_tokens > 5
+
+
+def test_stop_strings_and_max_tokens(served3: Served) -> None:
+    status, body = _post(
+        served3.api_url,
+        {
+            "messages": [{"role": "user", "content": "Count from 1 to 20, separated by commas."}],
+            "temperature": 0,
+            "max_tokens": 60,
+        },
+    )
+    assert status == 200
+    text = body["choices"][0]["message"]["content"]
+    assert "5" in text
+    cut = text[: text.index("5")]
+    status, body = _post(
+        served3.api_url,
+        {
+            "messages": [{"role": "user", "content": "Count from 1 to 20, separated by commas."}],
+            "temperature": 0,
+            "max_tokens": 60,
+            "stop": ["5"],
+        },
+    )
+    assert body["choices"][0]["message"]["content"] == cut
+    assert body["choices"][0]["finish_reason"] == "stop"
+    status, body = _post(
+        served3.api_url, {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 3}
+    )
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+def _node_streams(served: Served) -> list[int]:
+    out = []
+    for node in served.nodes:
+        with urllib.request.urlopen(f"http://{node}/v1/node", timeout=5) as r:
+            out.append(json.loads(r.read())["streams"])
+    return out
+
+
+def test_client_disconnect_cancels_generation_and_frees_streams(served3: Served) -> None:
+    body = json.dumps(
+        {
+            "messages": [{"role": "user", "content": "Write a very long essay about the ocean."}],
+            "stream": True,
+            "max_tokens": 2000,
+            "temperature": 0,
+        }
+    ).encode()
+    req = urllib.request.Request(f"{served3.api_url}/v1/chat/completions", body, {"Content-Type": "application/json"})
+    resp = urllib.request.urlopen(req, timeout=60)
+    for _ in range(4):
+        assert resp.readline()
+    assert max(_node_streams(served3)) >= 1
+    resp.close()  # the user closes the chat window
+    deadline = time.monotonic() + 20
+    while max(_node_streams(served3)) > 0:
+        assert time.monotonic() < deadline, "stages still hold the cancelled stream"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({}, "messages must be a non-empty list"),
+        ({"messages": []}, "messages must be a non-empty list"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "content must be a string"),
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": 7}, "temperature must be"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens must be"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 3}, "only n=1"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": 5}, "stop must be"),
+        ({"messages": [{"role": "user", "content": "hi"}], "seed": -1}, "seed must be"),
+    ],
+)
+def test_bad_requests_get_openai_style_errors(served3: Served, body: dict[str, Any], message: str) -> None:
+    status, reply = _post(served3.api_url, body)
+    assert status == 400
+    assert message in reply["error"]["message"]
+    assert reply["error"]["type"] == "invalid_request_error"
