@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--port", type=_port, default=7700)
     ag.add_argument("--device", default="AUTO", help="AUTO (GPU if present, else CPU), CPU, GPU or NPU")
     ag.add_argument("--threads", type=_positive_int, help="CPU inference threads")
+    ag.add_argument(
+        "--spin-ms", type=float, default=50.0, help="keep the core busy this long after a step while streams run"
+    )
 
     sv = sub.add_parser("serve", help="coordinate a pipeline over agents and serve the OpenAI-compatible API")
     sv.add_argument("--nodes", required=True, type=_nodes, help="agents as host:port,host:port,... in stage order")
@@ -156,6 +159,20 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--tokens", type=_positive_int, default=128)
     par.add_argument("--threads", type=_positive_int, default=2)
     par.add_argument("--exact", action="store_true", help="f32 activations and KV cache for every variant")
+    pl = bsub.add_parser("pipeline", help="multi-process pipelines vs one machine (nodes pinned to their own cores)")
+    pl.add_argument("--model", default="smollm2-135m")
+    pl.add_argument("--weights", choices=["fp32", "fp16", "int8", "int4"])
+    pl.add_argument("--stages", default="1,2", help="stage counts, e.g. 1,2,3")
+    pl.add_argument("--streams", default="1,2", help="concurrent streams, e.g. 1,2,3")
+    pl.add_argument("--cores-per-node", type=_positive_int, default=1)
+    pl.add_argument("--link-delay-ms", default="0", help="one-way delays per hop to measure, e.g. 0,100")
+    pl.add_argument("--wan-mbps", type=float, default=100.0, help="line rate of the emulated WAN rows")
+    pl.add_argument("--tokens", type=_positive_int, default=64, help="tokens per stream per run")
+    pl.add_argument("--wan-tokens", type=_positive_int, default=16, help="tokens per stream per run over a WAN")
+    pl.add_argument("--prompt-tokens", type=_positive_int, default=32, help="prompt length with random weights")
+    pl.add_argument("--runs", type=_positive_int, default=3)
+    pl.add_argument("--random-weights", action="store_true", help="the model's shapes with random weights")
+    pl.add_argument("--json", action="store_true")
     par.add_argument("--json", action="store_true", help="print only the JSON result line on stdout")
     return ap
 
@@ -204,7 +221,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         choose_device(args.device)
         print(f"lakeshard agent listening on {args.host}:{args.port}", flush=True)
-        run_agent(args.host, args.port, device=args.device, threads=args.threads)
+        run_agent(args.host, args.port, device=args.device, threads=args.threads, spin_ms=max(0.0, args.spin_ms))
         return 0
     if args.cmd == "serve":
         return _serve(args)
@@ -217,9 +234,17 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_demo(args)
     if args.cmd == "bench":
-        from agent.bench import parity
+        if args.bench_cmd == "pipeline":
+            from agent.bench import pipeline
 
-        result = parity.run(args)
+            try:
+                result = pipeline.run(args)
+            except pipeline.BenchError as e:
+                raise CliError(str(e)) from None
+        else:
+            from agent.bench import parity
+
+            result = parity.run(args)
         print(json.dumps(result))
         return 0
     raise CliError(f"unknown command {args.cmd}")

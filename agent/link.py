@@ -1,8 +1,9 @@
-"""An outgoing websocket link with an optional one-way delay (the WAN stand-in).
+"""An outgoing websocket link with an optional one-way delay and bandwidth (the WAN stand-in).
 
-Frames are queued with their due time (now + delay) and sent in order by one task, so a
-delayed frame never holds back the frames queued after it beyond their own due time: every
-frame sees the same one-way latency, whichever stream it belongs to.
+Frames are queued with their due time and sent in order by one task: a frame is due when an
+emulated line of ``mbps`` has finished serialising it (and everything queued before it),
+plus the one-way ``delay``. A delayed frame never holds back the frames queued after it
+beyond their own due time: every frame sees the same latency, whichever stream it belongs to.
 """
 
 from __future__ import annotations
@@ -31,12 +32,15 @@ class Link:
         url: str,
         *,
         delay_ms: float = 0.0,
+        mbps: float = 0.0,
         on_frame: Callable[[bytes], Awaitable[None]] | None = None,
         queue_size: int = 1024,
         connect_timeout: float = 10.0,
     ) -> None:
         self.url = url
         self.delay_s = max(0.0, delay_ms) / 1000.0
+        self.bytes_per_s = mbps * 1e6 / 8 if mbps > 0 else 0.0
+        self._tx_free_at = 0.0  # when the emulated line finishes sending what is queued
         self._on_frame = on_frame
         self._queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(queue_size)
         self._connect_timeout = connect_timeout
@@ -64,7 +68,13 @@ class Link:
     async def async_send(self, frame: bytes) -> None:
         if self._closed:
             raise LinkClosed(f"link to {self.url} is closed")
-        await self._queue.put((time.monotonic() + self.delay_s, frame))
+        now = time.monotonic()
+        if self.bytes_per_s:
+            self._tx_free_at = max(now, self._tx_free_at) + len(frame) / self.bytes_per_s
+            due = self._tx_free_at + self.delay_s
+        else:
+            due = now + self.delay_s
+        await self._queue.put((due, frame))
 
     async def _sender(self) -> None:
         assert self._ws is not None

@@ -128,6 +128,7 @@ class Fwd(Message):
     logits: tuple[int, ...] = ()
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     sent_at: float = 0.0
+    ret_logits: bool = False  # the "naive" design: the last stage sends logits, not ids
 
     def header(self) -> dict[str, Any]:
         d = super().header()
@@ -148,8 +149,9 @@ class Fwd(Message):
             if any(i >= n for i in logits):
                 raise ProtocolError("bad_field", f"logits positions must lie in 0..{n - 1}")
             start = h.get("start", False)
-            if not isinstance(start, bool):
-                raise ProtocolError("bad_field", "start must be true or false")
+            ret_logits = h.get("ret_logits", False)
+            if not isinstance(start, bool) or not isinstance(ret_logits, bool):
+                raise ProtocolError("bad_field", "start and ret_logits must be true or false")
             return Fwd(
                 term=_int(h.get("term"), "term"),
                 stream=stream,
@@ -161,6 +163,7 @@ class Fwd(Message):
                 logits=logits,
                 sampling=SamplingSpec.from_list(h.get("sampling", [0.0, 1.0, 0])),
                 sent_at=_float(h.get("sent_at", 0.0), "sent_at", 0.0, 1e12),
+                ret_logits=ret_logits,
             )
         except ProtocolError as e:
             e.stream, e.seq = stream, seq
@@ -169,7 +172,11 @@ class Fwd(Message):
 
 @dataclass(frozen=True)
 class Ids(Message):
-    """The last stage's chosen tokens for a ``Fwd`` (one per requested position)."""
+    """The last stage's chosen tokens for a ``Fwd`` (one per requested position).
+
+    With ``ret_logits`` on the Fwd, ``tokens`` is empty and the payload holds ``rows`` x
+    ``vocab`` float32 logits instead (the naive design, kept for the WAN comparison).
+    """
 
     TYPE: ClassVar[str] = "ids"
     term: int
@@ -177,6 +184,8 @@ class Ids(Message):
     seq: int
     tokens: tuple[int, ...]
     sent_at: float = 0.0
+    rows: int = 0
+    vocab: int = 0
 
     def header(self) -> dict[str, Any]:
         d = super().header()
@@ -191,6 +200,8 @@ class Ids(Message):
             seq=_int(h.get("seq"), "seq"),
             tokens=_int_list(h.get("tokens"), "tokens"),
             sent_at=_float(h.get("sent_at", 0.0), "sent_at", 0.0, 1e12),
+            rows=_int(h.get("rows", 0), "rows", 0, MAX_TOKENS_PER_FRAME),
+            vocab=_int(h.get("vocab", 0), "vocab", 0, 1 << 24),
         )
 
 
@@ -245,6 +256,7 @@ class Assign(Message):
     wire_dtype: str = "f16"
     exact: bool = False
     link_delay_ms: float = 0.0
+    link_mbps: float = 0.0  # 0: unlimited
 
     @classmethod
     def parse(cls, h: dict[str, Any]) -> Assign:
@@ -267,6 +279,7 @@ class Assign(Message):
             wire_dtype=wire,
             exact=exact,
             link_delay_ms=_float(h.get("link_delay_ms", 0.0), "link_delay_ms", 0.0, 60000.0),
+            link_mbps=_float(h.get("link_mbps", 0.0), "link_mbps", 0.0, 1e6),
         )
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from agent.aio import new_event_loop
 from agent.link import HEARTBEAT_S, Link
 from agent.protocol import MAX_FRAME, Assign, Close, Error, Fwd, ProtocolError, decode, encode
 from agent.stage_host import Output, StageHost
@@ -25,6 +26,8 @@ from agent.stage_host import Output, StageHost
 log = logging.getLogger(__name__)
 
 HOST = web.AppKey("host", StageHost)
+# Frames from outside the current term must not touch any stream (fencing).
+FENCED = frozenset({"stale_term", "unknown_term", "not_assigned"})
 
 
 @dataclass
@@ -46,8 +49,8 @@ class AgentRuntime:
     async def async_start(self) -> None:
         self._task = asyncio.create_task(self._run())
 
-    async def async_set_next(self, url: str, delay_ms: float) -> None:
-        old, self.next = self.next, Link(url, delay_ms=delay_ms, on_frame=self._on_next_reply)
+    async def async_set_next(self, url: str, delay_ms: float, mbps: float = 0.0) -> None:
+        old, self.next = self.next, Link(url, delay_ms=delay_ms, mbps=mbps, on_frame=self._on_next_reply)
         if old is not None:
             await old.async_close()
         await self.next.async_connect()
@@ -60,7 +63,6 @@ class AgentRuntime:
             log.info("next hop reported: %s", msg)
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             item = await self.jobs.get()
             if isinstance(item, Close | Error):
@@ -69,7 +71,7 @@ class AgentRuntime:
                 await self._forward(encode(item))
                 continue
             try:
-                out: Output = await loop.run_in_executor(self.host.executor, self.host.process, item.fwd, item.payload)
+                out: Output = await self.host.compute.async_run(self.host.process, item.fwd, item.payload)
             except ProtocolError as e:
                 await self.report(e, item.reply)
                 continue
@@ -94,7 +96,9 @@ class AgentRuntime:
         if reply is not None and not reply.closed:
             with contextlib.suppress(ConnectionError, RuntimeError):
                 await reply.send_bytes(frame)
-        if e.stream is not None and self.host.assignment is not None and e.code != "stale_term":
+        if e.stream is not None and self.host.assignment is not None and e.code not in FENCED:
+            # the stream's request has failed: free it here and tell the rest of the ring
+            self.host.close_stream(e.stream)
             await self._forward(frame)
 
     async def async_close(self) -> None:
@@ -132,7 +136,7 @@ async def _on_frame(rt: AgentRuntime, ws: web.WebSocketResponse, data: bytes) ->
             await rt.jobs.put(Job(msg, payload, ws))
         elif isinstance(msg, Assign):
             assigned = await rt.host.async_assign(msg)
-            await rt.async_set_next(msg.next_hop, msg.link_delay_ms)
+            await rt.async_set_next(msg.next_hop, msg.link_delay_ms, msg.link_mbps)
             await ws.send_bytes(encode(assigned))
         elif isinstance(msg, Close | Error):
             await rt.jobs.put(msg)
@@ -166,5 +170,6 @@ def make_app(host: StageHost) -> web.Application:
     return app
 
 
-def run_agent(host: str, port: int, device: str = "AUTO", threads: int | None = None) -> None:
-    web.run_app(make_app(StageHost(device=device, threads=threads)), host=host, port=port, print=None)
+def run_agent(host: str, port: int, device: str = "AUTO", threads: int | None = None, spin_ms: float = 50.0) -> None:
+    app = make_app(StageHost(device=device, threads=threads, spin_ms=spin_ms))
+    web.run_app(app, host=host, port=port, print=None, loop=new_event_loop())

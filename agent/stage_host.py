@@ -7,14 +7,14 @@ processed in arrival order, which keeps each stream's steps in order.
 
 from __future__ import annotations
 
-import asyncio
+import collections
 import hashlib
 import json
 import logging
 import shutil
+import statistics
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from agent.compute import ComputeThread
 from agent.paths import cache_dir
 from agent.protocol import Assign, Assigned, Fwd, Ids, Message, ProtocolError, tensor
 from agent.runtime.sampling import Sampling, choose_token
@@ -47,7 +48,7 @@ def _sha256(p: Path) -> str:
 
 
 class StageHost:
-    def __init__(self, *, device: str = "AUTO", threads: int | None = None) -> None:
+    def __init__(self, *, device: str = "AUTO", threads: int | None = None, spin_ms: float = 50.0) -> None:
         self.device = device
         self.threads = threads
         self.term_seen = 0
@@ -55,9 +56,11 @@ class StageHost:
         self.stage: Stage | None = None
         self.streams: dict[str, Stream] = {}
         self._free: list[Stream] = []
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
+        self.compute = ComputeThread(spin_s=spin_ms / 1000.0)
         self.frames = 0
         self.errors = 0
+        self.compute_s = 0.0  # time spent in inference (on the compute thread)
+        self.recent_ms: collections.deque[float] = collections.deque(maxlen=256)
 
     # -- assignment --------------------------------------------------------------------------
     async def async_assign(self, msg: Assign) -> Assigned:
@@ -66,8 +69,7 @@ class StageHost:
         self.term_seen = msg.term
         t0 = time.monotonic()
         stage_dir = await self._artifacts(msg)
-        loop = asyncio.get_running_loop()
-        stage = await loop.run_in_executor(self.executor, self._compile, stage_dir, msg.exact)
+        stage = await self.compute.async_run(self._compile, stage_dir, msg.exact)
         if stage.index != msg.stage or stage.count != msg.stages:
             raise ProtocolError("bad_artifact", f"artifacts are stage {stage.index}/{stage.count}, not {msg.stage}")
         self.stage, self.assignment = stage, msg
@@ -137,7 +139,11 @@ class StageHost:
             pos0 = st.pos
             idx = np.asarray(fwd.logits, dtype=np.int64) if fwd.logits else None
             try:
+                t0 = time.perf_counter()
                 out = stage.forward(st, x, logits_idx=idx)
+                dt = time.perf_counter() - t0
+                self.compute_s += dt
+                self.recent_ms.append(dt * 1000)
             except StageError:
                 raise
             except RuntimeError as e:  # OpenVINO rejected the input
@@ -163,9 +169,22 @@ class StageHost:
                 logits=fwd.logits,
                 sampling=fwd.sampling,
                 sent_at=fwd.sent_at,
+                ret_logits=fwd.ret_logits,
             )
             return Output(nxt, h.tobytes())
         assert out.token_ids is not None and out.logits is not None
+        if fwd.ret_logits:
+            lg = np.ascontiguousarray(out.logits, dtype=np.float32)
+            msg = Ids(
+                term=fwd.term,
+                stream=fwd.stream,
+                seq=fwd.seq,
+                tokens=(),
+                sent_at=fwd.sent_at,
+                rows=lg.shape[0],
+                vocab=lg.shape[1],
+            )
+            return Output(msg, lg.tobytes())
         s = fwd.sampling
         if s.temperature == 0.0:
             toks = tuple(int(t) for t in out.token_ids)
@@ -207,10 +226,12 @@ class StageHost:
             "streams": len(self.streams),
             "frames": self.frames,
             "errors": self.errors,
+            "compute_s": round(self.compute_s, 4),
+            "step_ms_p50": round(statistics.median(self.recent_ms), 3) if self.recent_ms else None,
         }
 
     def shutdown(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.compute.shutdown()
 
 
 async def _download(s: aiohttp.ClientSession, url: str, dest: Path) -> None:

@@ -8,6 +8,7 @@ import os
 import sys
 import time
 
+from agent import aio
 from agent.export.exporter import ExportOptions, export_model
 from agent.models.registry import REGISTRY
 from agent.models.store import ModelStore
@@ -27,7 +28,7 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"starting {args.nodes} agent processes" + (f", {per} core(s) each" if cores else ""), file=sys.stderr)
     with LocalCluster(args.nodes, cores=cores) as cluster:
         cfg = ServeConfig(nodes=cluster.nodes, model=model, opts=opts, api_port=0, quiet=True)
-        return asyncio.run(_ask(cfg, args))
+        return aio.run(_ask(cfg, args))
 
 
 async def _ask(cfg: ServeConfig, args: argparse.Namespace) -> int:

@@ -67,6 +67,7 @@ class Pipeline:
         artifacts_url: str,
         term: int = 1,
         link_delay_ms: float = 0.0,
+        link_mbps: float = 0.0,
         wire_dtype: str = "f16",
         exact: bool = False,
     ) -> None:
@@ -76,6 +77,7 @@ class Pipeline:
         self.artifacts_url = artifacts_url.rstrip("/")
         self.term = term
         self.link_delay_ms = link_delay_ms
+        self.link_mbps = link_mbps
         self.wire_dtype = wire_dtype
         self.exact = exact
         self._session: aiohttp.ClientSession | None = None
@@ -109,6 +111,7 @@ class Pipeline:
                 wire_dtype=self.wire_dtype,
                 exact=self.exact,
                 link_delay_ms=self.link_delay_ms,
+                link_mbps=self.link_mbps,
             )
             ws = self._control[i]
             await ws.send_bytes(encode(msg))
@@ -123,7 +126,7 @@ class Pipeline:
             log.info("stage %d on %s (%s), ready in %.1fs", i, p.node, got.device, got.compile_s)
         self._watchers = [asyncio.create_task(self._watch_control(ws)) for ws in self._control]
         first = f"ws://{self.placements[0].node}/ws"
-        self._link = Link(first, delay_ms=self.link_delay_ms, on_frame=self.async_on_frame)
+        self._link = Link(first, delay_ms=self.link_delay_ms, mbps=self.link_mbps, on_frame=self.async_on_frame)
         await self._link.async_connect()
 
     async def _connect(self, node: str, timeout: float) -> aiohttp.ClientWebSocketResponse:
@@ -157,8 +160,13 @@ class Pipeline:
         rollback: int = 0,
         logits: Sequence[int] = (),
         sampling: SamplingSpec | None = None,
+        ret_logits: bool = False,
     ) -> tuple[int, ...]:
-        """Send one step of ``stream`` into the ring and wait for the last stage's tokens."""
+        """Send one step of ``stream`` into the ring and wait for the last stage's tokens.
+
+        ``ret_logits`` asks the last stage for logits instead of ids (the naive design, for
+        the WAN comparison); the coordinator then picks the greedy tokens itself.
+        """
         if self._link is None:
             raise PipelineError("the pipeline is not started")
         seq = next(self._seq)
@@ -176,6 +184,7 @@ class Pipeline:
             logits=tuple(logits),
             sampling=sampling or SamplingSpec(),
             sent_at=time.time(),
+            ret_logits=ret_logits,
         )
         try:
             await self._link.async_send(encode(msg, arr))
@@ -190,7 +199,15 @@ class Pipeline:
     async def async_on_frame(self, frame: bytes) -> None:
         """A frame back from the ring (or an error from any agent)."""
         try:
-            msg, _ = decode(frame)
+            msg, payload = decode(frame)
+            if isinstance(msg, Ids) and msg.rows:
+                logits = np.frombuffer(payload, dtype=np.float32)
+                if logits.size != msg.rows * msg.vocab:
+                    raise ProtocolError(
+                        "bad_payload", "logits payload does not match rows x vocab", msg.stream, msg.seq
+                    )
+                toks = tuple(int(t) for t in logits.reshape(msg.rows, msg.vocab).argmax(axis=-1))
+                msg = Ids(term=msg.term, stream=msg.stream, seq=msg.seq, tokens=toks, sent_at=msg.sent_at)
         except ProtocolError as e:
             log.warning("bad frame on the return path: %s", e)
             return

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from agent.protocol import SamplingSpec
@@ -25,6 +25,7 @@ class GenRequest:
     max_tokens: int = 256
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     stop_ids: frozenset[int] = frozenset()
+    ids_only: bool = True  # False: the last stage returns logits (the naive design)
 
 
 class Scheduler:
@@ -50,7 +51,7 @@ class Scheduler:
         self.active += 1
         stream = self.pipeline.new_stream()
         try:
-            toks = await self._prefill(stream, req.prompt, req.sampling)
+            toks = await self._prefill(stream, req)
             for i in range(req.max_tokens):
                 tok = toks[-1]
                 if tok in req.stop_ids:
@@ -59,7 +60,7 @@ class Scheduler:
                 yield tok
                 if i + 1 == req.max_tokens:
                     return
-                toks = await self.pipeline.async_step(stream, [tok], sampling=req.sampling)
+                toks = await self.pipeline.async_step(stream, [tok], sampling=req.sampling, ret_logits=not req.ids_only)
         finally:
             self.active -= 1
             self._slots.release()
@@ -68,9 +69,11 @@ class Scheduler:
             except Exception as e:  # the request is over either way
                 log.info("closing stream %s: %s", stream, e)
 
-    async def _prefill(self, stream: str, prompt: Sequence[int], sampling: SamplingSpec) -> tuple[int, ...]:
+    async def _prefill(self, stream: str, req: GenRequest) -> tuple[int, ...]:
         toks: tuple[int, ...] = ()
-        for off in range(0, len(prompt), PREFILL_CHUNK):
-            chunk = prompt[off : off + PREFILL_CHUNK]
-            toks = await self.pipeline.async_step(stream, chunk, start=off == 0, sampling=sampling)
+        for off in range(0, len(req.prompt), PREFILL_CHUNK):
+            chunk = req.prompt[off : off + PREFILL_CHUNK]
+            toks = await self.pipeline.async_step(
+                stream, chunk, start=off == 0, sampling=req.sampling, ret_logits=not req.ids_only
+            )
         return toks

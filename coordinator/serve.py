@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
+from agent import aio
 from agent.export.exporter import ExportOptions, ExportResult, export_model
 from agent.link import HEARTBEAT_S
 from agent.models.store import LocalModel
@@ -46,10 +47,12 @@ class ServeConfig:
     advertise_host: str | None = None
     max_streams: int = 4
     link_delay_ms: float = 0.0
+    link_mbps: float = 0.0
     wire_dtype: str = "f16"
     exact: bool = False
     term: int = 1
     quiet: bool = False
+    api: bool = True  # False: the pipeline and scheduler only (benchmarks)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -85,10 +88,6 @@ class Coordinator:
             None, lambda: export_model(cfg.model, ranges, cfg.opts, quiet=cfg.quiet)
         )
         export_id = hashlib.sha256(str(self.export.dir).encode()).hexdigest()[:16]
-        tok = await loop.run_in_executor(
-            None,
-            lambda: ChatTokenizer(self.export.dir / "tokenizer", self.export.dir / "config.json"),  # type: ignore[union-attr]
-        )
 
         data_port = cfg.data_port or _free_port(cfg.data_host)
         host = cfg.advertise_host or (cfg.data_host if cfg.data_host not in ("0.0.0.0", "::") else socket.gethostname())
@@ -100,6 +99,7 @@ class Coordinator:
             artifacts_url=f"http://{host}:{data_port}/artifacts",
             term=cfg.term,
             link_delay_ms=cfg.link_delay_ms,
+            link_mbps=cfg.link_mbps,
             wire_dtype=cfg.wire_dtype,
             exact=cfg.exact,
         )
@@ -127,6 +127,13 @@ class Coordinator:
         await self._site(data_app, cfg.data_host, data_port)
         await self.pipeline.async_start()
         self.scheduler = Scheduler(self.pipeline, cfg.max_streams)
+        if not cfg.api:
+            cfg.ready.set()
+            return
+        export_dir = self.export.dir
+        tok = await loop.run_in_executor(
+            None, lambda: ChatTokenizer(export_dir / "tokenizer", export_dir / "config.json")
+        )
         state = ApiState(model=cfg.model.name, tokenizer=tok, scheduler=self.scheduler, api_key=cfg.api_key)
         api_port = cfg.api_port if cfg.api_port else _free_port(cfg.api_host)
         await self._site(make_api_app(state), cfg.api_host, api_port)
@@ -162,6 +169,6 @@ def run_coordinator(cfg: ServeConfig) -> None:
             await coord.async_stop()
 
     try:
-        asyncio.run(main())
+        aio.run(main())
     except KeyboardInterrupt:
         sys.exit(130)

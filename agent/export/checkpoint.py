@@ -8,6 +8,7 @@ GGUF files are memory-mapped and dequantised per tensor; safetensors are read la
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -149,6 +150,53 @@ class SafetensorsCheckpoint(Checkpoint):
         return np.ascontiguousarray(t.float().numpy())
 
 
+class RandomCheckpoint(Checkpoint):
+    """Random weights in the model's exact shapes: for speed benchmarks where the real
+    weights cannot travel (speed does not depend on the values). Deterministic per name."""
+
+    def __init__(self, config: Any, seed: int = 0) -> None:
+        self.path = Path("random")
+        self.config = config
+        self.seed = seed
+        c = config
+        hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        h, q, kv, i = c.hidden_size, c.num_attention_heads * hd, c.num_key_value_heads * hd, c.intermediate_size
+        self._shapes: dict[str, tuple[int, ...]] = {
+            "model.embed_tokens.weight": (c.vocab_size, h),
+            "model.norm.weight": (h,),
+        }
+        if not getattr(c, "tie_word_embeddings", False):
+            self._shapes["lm_head.weight"] = (c.vocab_size, h)
+        bias = c.model_type == "qwen2" or bool(getattr(c, "attention_bias", False))
+        for n in range(c.num_hidden_layers):
+            p = f"model.layers.{n}."
+            self._shapes |= {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+            }
+            if bias:
+                self._shapes |= {p + f"self_attn.{x}_proj.bias": (d,) for x, d in (("q", q), ("k", kv), ("v", kv))}
+
+    def has(self, name: str) -> bool:
+        return name in self._shapes
+
+    def tensor(self, name: str) -> np.ndarray:
+        shape = self._shapes.get(name)
+        if shape is None:
+            raise CheckpointError(f"random checkpoint: no tensor {name}")
+        if name.endswith("norm.weight"):
+            return np.ones(shape, dtype=np.float32)
+        rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
+        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float32)
+
+
 def load_config(path: Path) -> Any:
     """Hugging Face config of a model directory or GGUF file (GGUF: metadata only)."""
     from transformers import AutoConfig
@@ -179,6 +227,10 @@ def check_supported(cfg: Any) -> None:
 
 def open_checkpoint(path: Path, config: Any | None = None) -> Checkpoint:
     path = Path(path)
+    if str(path) == "random":
+        if config is None:
+            raise CheckpointError("a random checkpoint needs the model's config")
+        return RandomCheckpoint(config)
     if not path.exists():
         raise CheckpointError(f"{path} does not exist")
     cfg = config if config is not None else load_config(path)

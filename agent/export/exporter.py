@@ -194,7 +194,8 @@ def _run_stage_job(job: dict[str, Any], isolate: bool, quiet: bool) -> dict[str,
 
 
 def _copy_sidecars(model: LocalModel, out: Path, opts: ExportOptions, quiet: bool) -> None:
-    shutil.copytree(model.tokenizer_dir, out / "tokenizer")
+    if model.tokenizer_dir.is_dir():
+        shutil.copytree(model.tokenizer_dir, out / "tokenizer")
     shutil.copy2(model.dir / "config.json", out / "config.json")
     if not opts.genai:
         return

@@ -66,6 +66,22 @@ class LocalModel:
         return AutoConfig.from_pretrained(str(self.dir))
 
     @staticmethod
+    def synthetic(config_dir: Path, name: str) -> LocalModel:
+        """The architecture of ``config_dir/config.json`` with random weights (benchmarks only)."""
+        raw = (Path(config_dir) / "config.json").read_bytes()
+        meta = json.loads(raw)
+        return LocalModel(
+            name=f"{name}-random",
+            dir=Path(config_dir),
+            checkpoint=Path("random"),
+            sha256=hashlib.sha256(raw + b"|random-weights-v1").hexdigest(),
+            source="random",
+            model_type=meta["model_type"],
+            num_layers=int(meta["num_hidden_layers"]),
+            hidden_size=int(meta["hidden_size"]),
+        )
+
+    @staticmethod
     def load(d: Path) -> LocalModel:
         meta = json.loads((d / "model.json").read_text())
         ckpt = Path(meta["checkpoint"])
