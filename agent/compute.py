@@ -3,16 +3,16 @@
 Between steps of an active pipeline a stage waits a few milliseconds for its next frame. If
 its core goes idle in that gap, the next step runs measurably slower (a waking core, cold
 caches; measured here on a VM: about 20% per step). So after each job the thread keeps its
-core busy for up to ``spin_s`` while polling for the next job, yielding the CPU and the GIL
-on every poll so the event loop still receives frames at once. ``spin_s = 0`` (for example
+core busy for up to ``spin_s`` while polling for the next job, holding the GIL only for the
+poll itself, so the event loop still receives frames at once. ``spin_s = 0`` (for example
 when the laptop's user needs it, or on battery) blocks instead.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
-import os
 import queue
 import threading
 import time
@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_yield: Callable[[], None] = getattr(os, "sched_yield", lambda: time.sleep(0))
+_SPIN_BUF = bytes(64 * 1024)
 _STOP = object()
 
 
@@ -36,15 +36,37 @@ class ComputeThread:
     async def async_run(self, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[T] = loop.create_future()
-        self._q.put((fn, args, loop, fut))
+
+        def done(res: Any, exc: BaseException | None) -> None:
+            if fut.done():
+                return
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(res)
+
+        self.submit(fn, args, done)
         return await fut
+
+    def submit(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], done: Callable[[Any, BaseException | None], None]
+    ) -> None:
+        """Queue ``fn(*args)``; ``done(result, exception)`` then runs on the caller's event loop.
+
+        Jobs run in submission order, back to back: the next one starts without waiting for
+        the event loop to collect the previous result.
+        """
+        self._q.put((fn, args, asyncio.get_running_loop(), done))
 
     def _next(self, spin_until: float) -> Any:
         while time.monotonic() < spin_until:
             try:
                 return self._q.get_nowait()
             except queue.Empty:
-                _yield()  # releases the GIL and the CPU to whoever needs them
+                # Burn ~30 us *without the GIL* (hashing a buffer releases it), so the event
+                # loop thread takes the GIL the moment a frame arrives; a bare yield loop would
+                # grab it back at once and starve the loop on a multi-core node.
+                hashlib.sha256(_SPIN_BUF)
         return self._q.get()
 
     def _loop(self) -> None:
@@ -53,14 +75,14 @@ class ComputeThread:
             item = self._next(spin_until)
             if item is _STOP:
                 return
-            fn, args, loop, fut = item
+            fn, args, loop, done = item
             t0 = time.monotonic()
             try:
                 res = fn(*args)
-            except BaseException as e:  # delivered to the awaiting coroutine
-                loop.call_soon_threadsafe(_set_exception, fut, e)
+            except BaseException as e:  # delivered to the event loop
+                _call(loop, done, None, e)
             else:
-                loop.call_soon_threadsafe(_set_result, fut, res)
+                _call(loop, done, res, None)
             now = time.monotonic()
             self.busy_s += now - t0
             spin_until = now + self.spin_s
@@ -69,11 +91,8 @@ class ComputeThread:
         self._q.put(_STOP)
 
 
-def _set_result(fut: asyncio.Future[Any], res: Any) -> None:
-    if not fut.done():
-        fut.set_result(res)
-
-
-def _set_exception(fut: asyncio.Future[Any], e: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(e)
+def _call(loop: asyncio.AbstractEventLoop, done: Callable[..., None], res: Any, exc: BaseException | None) -> None:
+    try:
+        loop.call_soon_threadsafe(done, res, exc)
+    except RuntimeError:  # the loop has closed: nobody is waiting any more
+        log.debug("result dropped: event loop closed")

@@ -34,7 +34,6 @@ class Link:
         delay_ms: float = 0.0,
         mbps: float = 0.0,
         on_frame: Callable[[bytes], Awaitable[None]] | None = None,
-        queue_size: int = 1024,
         connect_timeout: float = 10.0,
     ) -> None:
         self.url = url
@@ -42,7 +41,7 @@ class Link:
         self.bytes_per_s = mbps * 1e6 / 8 if mbps > 0 else 0.0
         self._tx_free_at = 0.0  # when the emulated line finishes sending what is queued
         self._on_frame = on_frame
-        self._queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(queue_size)
+        self._queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
         self._connect_timeout = connect_timeout
         self._session: aiohttp.ClientSession | None = None
         self._ws: aiohttp.ClientWebSocketResponse | None = None
@@ -66,6 +65,10 @@ class Link:
         self._tasks = [asyncio.create_task(self._sender()), asyncio.create_task(self._receiver())]
 
     async def async_send(self, frame: bytes) -> None:
+        self.send_nowait(frame)
+
+    def send_nowait(self, frame: bytes) -> None:
+        """Queue a frame (never blocks: callers bound their own in-flight work)."""
         if self._closed:
             raise LinkClosed(f"link to {self.url} is closed")
         now = time.monotonic()
@@ -74,7 +77,7 @@ class Link:
             due = self._tx_free_at + self.delay_s
         else:
             due = now + self.delay_s
-        await self._queue.put((due, frame))
+        self._queue.put_nowait((due, frame))
 
     async def _sender(self) -> None:
         assert self._ws is not None

@@ -1,7 +1,7 @@
 """The agent's aiohttp server: the stage websocket (``/ws``) and the local status API.
 
-Frames from any peer (the coordinator, the previous stage) go into one bounded queue and are
-computed in arrival order on the stage's compute thread. Results go straight to the next hop.
+Frames from any peer (the coordinator, the previous stage) are computed in arrival order on
+the stage's compute thread. Results go straight to the next hop.
 A frame that fails validation is answered with an ``Error`` on the connection it came from
 and, when it belongs to a stream, the error also travels on along the ring so the
 coordinator learns of it; other streams are never touched.
@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -30,24 +30,22 @@ HOST = web.AppKey("host", StageHost)
 FENCED = frozenset({"stale_term", "unknown_term", "not_assigned"})
 
 
-@dataclass
-class Job:
-    fwd: Fwd
-    payload: memoryview
-    reply: web.WebSocketResponse
+MAX_PENDING = 512  # frames queued for the compute thread before new ones are refused
 
 
 class AgentRuntime:
-    """The queue, the compute loop and the next-hop link of one agent."""
+    """The compute queue and the next-hop link of one agent.
 
-    def __init__(self, host: StageHost, queue_size: int = 256) -> None:
+    Frames go straight to the compute thread in arrival order, which also encodes the
+    output frame; the event loop only sends results on. Close and Error frames take the
+    same queue, so they reach a stream after every step sent before them.
+    """
+
+    def __init__(self, host: StageHost) -> None:
         self.host = host
-        self.jobs: asyncio.Queue[Job | Close | Error] = asyncio.Queue(queue_size)
         self.next: Link | None = None
-        self._task: asyncio.Task[None] | None = None
-
-    async def async_start(self) -> None:
-        self._task = asyncio.create_task(self._run())
+        self.pending = 0
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def async_set_next(self, url: str, delay_ms: float, mbps: float = 0.0) -> None:
         old, self.next = self.next, Link(url, delay_ms=delay_ms, mbps=mbps, on_frame=self._on_next_reply)
@@ -62,30 +60,49 @@ class AgentRuntime:
             msg, _ = decode(frame)
             log.info("next hop reported: %s", msg)
 
-    async def _run(self) -> None:
-        while True:
-            item = await self.jobs.get()
-            if isinstance(item, Close | Error):
-                if item.stream:
-                    self.host.close_stream(item.stream)
-                await self._forward(encode(item))
-                continue
-            try:
-                out: Output = await self.host.compute.async_run(self.host.process, item.fwd, item.payload)
-            except ProtocolError as e:
-                await self.report(e, item.reply)
-                continue
-            except Exception as e:  # never let one frame take the agent down
-                log.exception("stage failed on stream %s", item.fwd.stream)
-                await self.report(ProtocolError("internal", str(e), item.fwd.stream, item.fwd.seq), item.reply)
-                continue
-            await self._forward(encode(out.message, out.payload))
+    def submit_fwd(self, fwd: Fwd, payload: memoryview, reply: web.WebSocketResponse) -> None:
+        if self.pending >= MAX_PENDING:
+            self._spawn(self.report(ProtocolError("busy", "stage queue is full", fwd.stream, fwd.seq), reply))
+            return
+        self.pending += 1
 
-    async def _forward(self, frame: bytes) -> None:
+        def done(frame: bytes | None, exc: BaseException | None) -> None:
+            self.pending -= 1
+            if exc is None and frame is not None:
+                self._send(frame)
+            elif isinstance(exc, ProtocolError):
+                self._spawn(self.report(exc, reply))
+            else:
+                log.error("stage failed on stream %s: %r", fwd.stream, exc)
+                self._spawn(self.report(ProtocolError("internal", str(exc), fwd.stream, fwd.seq), reply))
+
+        self.host.compute.submit(self._work, (fwd, payload), done)
+
+    def _work(self, fwd: Fwd, payload: memoryview) -> bytes:
+        """On the compute thread: run the stage, encode what goes to the next hop."""
+        out: Output = self.host.process(fwd, payload)
+        return encode(out.message, out.payload)
+
+    def submit_end(self, msg: Close | Error) -> None:
+        """Forget the stream (after its queued steps) and pass the message along the ring."""
+
+        def work() -> bytes:
+            if msg.stream:
+                self.host.close_stream(msg.stream)
+            return encode(msg)
+
+        self.host.compute.submit(work, (), lambda frame, exc: self._send(frame) if exc is None else None)
+
+    def _send(self, frame: bytes) -> None:
         if self.next is None or self.next.closed:
             log.warning("no next hop: dropping a frame")
             return
-        await self.next.async_send(frame)
+        self.next.send_nowait(frame)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        t = asyncio.create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
 
     async def report(self, e: ProtocolError, reply: web.WebSocketResponse | None) -> None:
         self.host.errors += 1
@@ -98,14 +115,11 @@ class AgentRuntime:
                 await reply.send_bytes(frame)
         if e.stream is not None and self.host.assignment is not None and e.code not in FENCED:
             # the stream's request has failed: free it here and tell the rest of the ring
-            self.host.close_stream(e.stream)
-            await self._forward(frame)
+            self.submit_end(err)
 
     async def async_close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for t in list(self._tasks):
+            t.cancel()
         if self.next is not None:
             await self.next.async_close()
         self.host.shutdown()
@@ -133,13 +147,13 @@ async def _on_frame(rt: AgentRuntime, ws: web.WebSocketResponse, data: bytes) ->
         msg, payload = decode(data)
         if isinstance(msg, Fwd):
             rt.host.check_term(msg.term)
-            await rt.jobs.put(Job(msg, payload, ws))
+            rt.submit_fwd(msg, payload, ws)
         elif isinstance(msg, Assign):
             assigned = await rt.host.async_assign(msg)
             await rt.async_set_next(msg.next_hop, msg.link_delay_ms, msg.link_mbps)
             await ws.send_bytes(encode(assigned))
         elif isinstance(msg, Close | Error):
-            await rt.jobs.put(msg)
+            rt.submit_end(msg)
         else:
             raise ProtocolError("unexpected", f"an agent does not accept {msg.TYPE!r} frames")
     except ProtocolError as e:
@@ -162,7 +176,6 @@ def make_app(host: StageHost) -> web.Application:
     async def runtime_ctx(app: web.Application) -> AsyncIterator[None]:
         rt = AgentRuntime(app[HOST])
         app[RUNTIME] = rt
-        await rt.async_start()
         yield
         await rt.async_close()
 

@@ -29,6 +29,7 @@ class LocalCluster:
         *,
         cores: Sequence[Sequence[int]] | None = None,
         threads: int | None = None,
+        device: str | None = None,
         env: dict[str, str] | None = None,
         log_dir: Path | None = None,
     ) -> None:
@@ -37,6 +38,7 @@ class LocalCluster:
         self.n = n
         self.cores = cores
         self.threads = threads
+        self.device = device
         self.env = env or {}
         self.log_dir = log_dir
         self.ports: list[int] = []
@@ -53,6 +55,8 @@ class LocalCluster:
             threads = self.threads or (len(self.cores[i]) if self.cores else None)
             if threads:
                 cmd += ["--threads", str(threads)]
+            if self.device:
+                cmd += ["--device", self.device]
             if self.cores is not None:
                 cmd = ["taskset", "-c", ",".join(map(str, self.cores[i])), *cmd]
             out = open(self.log_dir / f"agent{i}.log", "wb") if self.log_dir else subprocess.DEVNULL  # noqa: SIM115

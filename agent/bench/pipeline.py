@@ -125,7 +125,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     term = 0
     for s in stages:
-        with LocalCluster(s, cores=node_cores[:s], threads=c) as cluster:
+        # CPU on every node, like the monolithic run: the comparison is of cores, not devices
+        with LocalCluster(s, cores=node_cores[:s], threads=c, device="CPU") as cluster:
             for delay in delays:
                 variants = [(k, True) for k in streams]
                 if delay > 0:
