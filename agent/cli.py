@@ -173,6 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--runs", type=_positive_int, default=3)
     pl.add_argument("--random-weights", action="store_true", help="the model's shapes with random weights")
     pl.add_argument("--json", action="store_true")
+    me = bsub.add_parser("memory", help="what each extra stream costs a stage agent in memory")
+    me.add_argument("--model", default="smollm2-135m")
+    me.add_argument("--weights", choices=["fp32", "fp16", "int8", "int4"])
+    me.add_argument("--streams", type=_positive_int, default=4)
+    me.add_argument("--prompt-tokens", type=_positive_int, default=1024)
+    me.add_argument("--random-weights", action="store_true")
+    me.add_argument("--json", action="store_true")
     par.add_argument("--json", action="store_true", help="print only the JSON result line on stdout")
     return ap
 
@@ -234,11 +241,11 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_demo(args)
     if args.cmd == "bench":
-        if args.bench_cmd == "pipeline":
-            from agent.bench import pipeline
+        if args.bench_cmd in ("pipeline", "memory"):
+            from agent.bench import memory, pipeline
 
             try:
-                result = pipeline.run(args)
+                result = (pipeline.run if args.bench_cmd == "pipeline" else memory.run)(args)
             except pipeline.BenchError as e:
                 raise CliError(str(e)) from None
         else:

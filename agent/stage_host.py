@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+import psutil
 
 from agent.compute import ComputeThread
 from agent.paths import cache_dir
@@ -228,6 +229,7 @@ class StageHost:
             "errors": self.errors,
             "compute_s": round(self.compute_s, 4),
             "step_ms_p50": round(statistics.median(self.recent_ms), 3) if self.recent_ms else None,
+            "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
         }
 
     def shutdown(self) -> None:
