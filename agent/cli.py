@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--link-delay-ms", type=float, default=0.0, help="added one-way delay per hop (WAN stand-in)")
     sv.add_argument("--wire", choices=["f16", "f32"], default="f16", help="hidden-state dtype between stages")
     sv.add_argument("--exact", action="store_true", help="f32 activations, KV cache and wire (for parity checks)")
+    sv.add_argument(
+        "--ship-artifacts", action="store_true", help="agents always download stage files over HTTP, even on this host"
+    )
 
     ch = sub.add_parser("chat", help="chat in the terminal with a coordinator's API")
     ch.add_argument("--url", default="http://127.0.0.1:8000", help="the coordinator's API base URL")
@@ -348,6 +351,7 @@ def _serve(args: argparse.Namespace) -> int:
         link_delay_ms=args.link_delay_ms,
         wire_dtype="f32" if args.exact else args.wire,
         exact=args.exact,
+        ship_artifacts=args.ship_artifacts,
     )
     run_coordinator(cfg)
     return 0

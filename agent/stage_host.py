@@ -107,6 +107,8 @@ class StageHost:
             if not dest.exists():
                 tmp.rename(dest)
             return dest
+        except (aiohttp.ClientError, OSError, KeyError, ValueError) as e:
+            raise ProtocolError("bad_artifact", f"cannot fetch the stage files from {msg.artifacts_url}: {e}") from e
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 

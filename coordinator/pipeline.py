@@ -70,6 +70,7 @@ class Pipeline:
         link_mbps: float = 0.0,
         wire_dtype: str = "f16",
         exact: bool = False,
+        ship_artifacts: bool = False,
     ) -> None:
         self.placements = list(placements)
         self.export_id = export_id
@@ -80,6 +81,7 @@ class Pipeline:
         self.link_mbps = link_mbps
         self.wire_dtype = wire_dtype
         self.exact = exact
+        self.ship_artifacts = ship_artifacts  # never offer the local path: agents download
         self._session: aiohttp.ClientSession | None = None
         self._control: list[aiohttp.ClientWebSocketResponse] = []
         self._link: Link | None = None
@@ -106,7 +108,7 @@ class Pipeline:
                 stages=n,
                 manifest_sha256=_sha256(p.stage_dir / "manifest.json"),
                 artifacts_url=f"{self.artifacts_url}/{self.export_id}/{i}",
-                local_dir=str(p.stage_dir),
+                local_dir=None if self.ship_artifacts else str(p.stage_dir),
                 next_hop=nxt,
                 wire_dtype=self.wire_dtype,
                 exact=self.exact,

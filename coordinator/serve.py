@@ -53,6 +53,7 @@ class ServeConfig:
     term: int = 1
     quiet: bool = False
     api: bool = True  # False: the pipeline and scheduler only (benchmarks)
+    ship_artifacts: bool = False
     ready: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -102,6 +103,7 @@ class Coordinator:
             link_mbps=cfg.link_mbps,
             wire_dtype=cfg.wire_dtype,
             exact=cfg.exact,
+            ship_artifacts=cfg.ship_artifacts,
         )
         pipeline = self.pipeline
         stage_dirs = self.export.stage_dirs()

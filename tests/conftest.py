@@ -13,21 +13,17 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-_REPORTS: list[str] = []
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 warnings.filterwarnings("ignore", message=".*non-writable.*")
 
 
-def report(line: str) -> None:
-    """A figure worth seeing after the run (printed in the terminal summary)."""
-    _REPORTS.append(line)
-
-
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if _REPORTS:
+    from tests.figures import LINES
+
+    if LINES:
         terminalreporter.section("lakeshard figures")
-        for line in _REPORTS:
+        for line in LINES:
             terminalreporter.write_line(line)
 
 
@@ -105,10 +101,10 @@ def int4_exports(smollm2, export_root: Path) -> dict[int, Path]:  # type: ignore
 class Served:
     """A real cluster: agent processes plus a ``lakeshard serve`` coordinator process."""
 
-    def __init__(self, n: int, *extra: str) -> None:
+    def __init__(self, n: int, *extra: str, agent_env: dict[str, str] | None = None) -> None:
         from coordinator.local_cluster import LocalCluster, free_port
 
-        self.cluster = LocalCluster(n).start()
+        self.cluster = LocalCluster(n, env=agent_env).start()
         self.api_port = free_port()
         self.api_url = f"http://127.0.0.1:{self.api_port}"
         cmd = [sys.executable, "-m", "agent", "serve", "--nodes", ",".join(self.cluster.nodes)]

@@ -11,7 +11,8 @@ import torch
 from agent.export.exporter import ExportOptions, export_model
 from agent.runtime.chain import Chain
 from coordinator.planner import balanced_split, model_costs
-from tests.conftest import PROMPTS, report
+from tests.conftest import PROMPTS
+from tests.figures import report
 
 TOKENS = 64
 

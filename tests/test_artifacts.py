@@ -1,0 +1,67 @@
+"""Stage artifacts travel over HTTP to agents that do not share the coordinator's disk, are
+verified, cached by hash; an assignment with a bad hash is refused and the agent keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from pathlib import Path
+
+import aiohttp
+
+from agent.protocol import Assign, Error, decode, encode
+from tests.conftest import PROMPTS, Served
+from tests.test_pipeline import _chat
+
+
+def test_agents_download_verify_and_cache_their_stage(smollm2, tmp_path: Path, whole_int8, smollm2_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    home = tmp_path / "agents-home"
+    served = Served(
+        2,
+        "--model",
+        "smollm2-135m",
+        "--weights",
+        "int8",
+        "--exact",
+        "--ship-artifacts",
+        agent_env={"LAKESHARD_HOME": str(home)},
+    )
+    try:
+        text = _chat(served, PROMPTS[0], max_tokens=32, temperature=0)
+        ids = smollm2_tokenizer.chat_ids([{"role": "user", "content": PROMPTS[0]}])
+        ref = smollm2_tokenizer.decode(
+            whole_int8.generate(ids, max_tokens=32, stop_ids=smollm2_tokenizer.stop_ids).tokens
+        )
+        assert text == ref
+        cached = sorted((home / "cache" / "artifacts").iterdir())
+        assert len(cached) == 2  # one directory per stage, named by the manifest's hash
+        for d in cached:
+            man = json.loads((d / "manifest.json").read_text())
+            assert hashlib.sha256((d / "manifest.json").read_bytes()).hexdigest().startswith(d.name)
+            for name, info in man["files"].items():
+                assert hashlib.sha256((d / name).read_bytes()).hexdigest() == info["sha256"]
+
+        async def bad_assign() -> Error:
+            msg = Assign(
+                term=1,
+                export_id="x",
+                stage=0,
+                stages=2,
+                manifest_sha256="0" * 64,
+                artifacts_url="http://127.0.0.1:9/nothing",
+                local_dir=None,
+                next_hop="ws://127.0.0.1:9/ws",
+            )
+            async with aiohttp.ClientSession() as s, s.ws_connect(f"http://{served.nodes[0]}/ws") as ws:
+                await ws.send_bytes(encode(msg))
+                err, _ = decode((await asyncio.wait_for(ws.receive(), 60)).data)
+                assert isinstance(err, Error)
+                return err
+
+        err = asyncio.run(bad_assign())
+        assert err.code == "bad_artifact"
+        # the agent kept its stage: the pipeline still answers, identically
+        assert _chat(served, PROMPTS[0], max_tokens=32, temperature=0) == text
+    finally:
+        served.stop()
