@@ -75,11 +75,27 @@ def convert_stage(module: StageModule, config: Any, *, beam_idx: bool = True) ->
         shapes[name] = ov.PartialShape([-1, kvh, -1, hd])
     model.reshape(shapes)
 
+    _fast_argmax(model)
     if beam_idx:
         _fuse_beam_idx(model, kv_in)
     _make_stateful(model, kv_in, kv_out, main_name)
     model.set_rt_info("lakeshard", ["framework"])
     return model
+
+
+def _fast_argmax(model: ov.Model) -> None:
+    """torch.argmax converts to a *stable*, sorted TopK, which the CPU plugin runs about 7x
+    slower over a 152k vocabulary (0.9 ms vs 0.13 ms a token). k=1 needs neither."""
+    for op in model.get_ops():
+        if op.get_type_name() != "TopK":
+            continue
+        attrs = op.get_attributes()
+        k, axis, idx_type = op.input_value(1), attrs["axis"], attrs["index_element_type"]
+        fast = ops.topk(op.input_value(0), k, axis, attrs["mode"], "none", idx_type, False)
+        for i in range(2):
+            for target in op.output(i).get_target_inputs():
+                target.replace_source_output(fast.output(i))
+    model.validate_nodes_and_infer_types()
 
 
 def _fuse_beam_idx(model: ov.Model, kv_in: list[str]) -> None:
