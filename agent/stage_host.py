@@ -8,14 +8,13 @@ processed in arrival order, which keeps each stream's steps in order.
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import logging
 import shutil
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ import numpy as np
 import psutil
 
 from agent.compute import ComputeThread
+from agent.hashing import sha256_file
 from agent.paths import cache_dir
 from agent.protocol import Assign, Assigned, Fwd, Ids, Message, ProtocolError, tensor
 from agent.runtime.sampling import Sampling, choose_token
@@ -38,14 +38,6 @@ STAGE_FILES = ("model.xml", "model.bin")
 class Output:
     message: Message
     payload: bytes = b""
-
-
-def _sha256(p: Path) -> str:
-    h = hashlib.sha256()
-    with p.open("rb") as f:
-        while b := f.read(8 << 20):
-            h.update(b)
-    return h.hexdigest()
 
 
 class StageHost:
@@ -86,7 +78,7 @@ class StageHost:
         if msg.local_dir:
             d = Path(msg.local_dir)
             man = d / "manifest.json"
-            if man.is_file() and _sha256(man) == msg.manifest_sha256:
+            if man.is_file() and sha256_file(man) == msg.manifest_sha256:
                 return d
         dest = cache_dir() / "artifacts" / msg.manifest_sha256[:32]
         if (dest / "manifest.json").is_file():
@@ -97,12 +89,12 @@ class StageHost:
             async with aiohttp.ClientSession() as s:
                 base = msg.artifacts_url.rstrip("/")
                 await _download(s, f"{base}/manifest.json", tmp / "manifest.json")
-                if _sha256(tmp / "manifest.json") != msg.manifest_sha256:
+                if sha256_file(tmp / "manifest.json") != msg.manifest_sha256:
                     raise ProtocolError("bad_artifact", "manifest hash does not match the assignment")
                 manifest = json.loads((tmp / "manifest.json").read_text())
                 for name in STAGE_FILES:
                     await _download(s, f"{base}/{name}", tmp / name)
-                    if _sha256(tmp / name) != manifest["files"][name]["sha256"]:
+                    if sha256_file(tmp / name) != manifest["files"][name]["sha256"]:
                         raise ProtocolError("bad_artifact", f"{name}: sha256 does not match the manifest")
             if not dest.exists():
                 tmp.rename(dest)
@@ -161,19 +153,7 @@ class StageHost:
             assert out.hidden is not None
             wire = a.wire_dtype
             h = out.hidden.astype(np.float16) if wire == "f16" else out.hidden
-            nxt = Fwd(
-                term=fwd.term,
-                stream=fwd.stream,
-                seq=fwd.seq,
-                n=fwd.n,
-                dtype=wire,
-                start=fwd.start,
-                rollback=fwd.rollback,
-                logits=fwd.logits,
-                sampling=fwd.sampling,
-                sent_at=fwd.sent_at,
-                ret_logits=fwd.ret_logits,
-            )
+            nxt = replace(fwd, dtype=wire)
             return Output(nxt, h.tobytes())
         assert out.token_ids is not None and out.logits is not None
         if fwd.ret_logits:

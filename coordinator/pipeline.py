@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import itertools
 import logging
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+from agent.hashing import sha256_file
 from agent.link import HEARTBEAT_S, Link
 from agent.protocol import (
     MAX_FRAME,
@@ -51,10 +51,6 @@ class PipelineError(RuntimeError):
 class StagePlacement:
     node: str  # host:port of the agent
     stage_dir: Path
-
-
-def _sha256(p: Path) -> str:
-    return hashlib.sha256(p.read_bytes()).hexdigest()
 
 
 class Pipeline:
@@ -106,7 +102,7 @@ class Pipeline:
                 export_id=self.export_id,
                 stage=i,
                 stages=n,
-                manifest_sha256=_sha256(p.stage_dir / "manifest.json"),
+                manifest_sha256=sha256_file(p.stage_dir / "manifest.json"),
                 artifacts_url=f"{self.artifacts_url}/{self.export_id}/{i}",
                 local_dir=None if self.ship_artifacts else str(p.stage_dir),
                 next_hop=nxt,

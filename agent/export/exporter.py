@@ -8,7 +8,6 @@ and ``export.json``; it is assembled in a temporary directory and renamed into p
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.export.stage_module import StageSpec
+from agent.hashing import sha256_file
 from agent.models.store import LocalModel
 from agent.paths import exports_dir
 from agent.progress import step
@@ -66,14 +66,6 @@ class ExportResult:
 
     def stage_dirs(self) -> list[Path]:
         return [self.dir / f"stage_{i}" for i in range(len(self.manifests))]
-
-
-def _sha256(p: Path) -> str:
-    h = hashlib.sha256()
-    with p.open("rb") as f:
-        while b := f.read(8 << 20):
-            h.update(b)
-    return h.hexdigest()
 
 
 def default_export_dir(model: LocalModel, ranges: list[tuple[int, int]], opts: ExportOptions) -> Path:
@@ -281,7 +273,7 @@ def export_stage(job: dict[str, Any]) -> dict[str, Any]:
         "full_logits": opts.genai,
         "runtime": {"kv_cache_precision": "f16"},
         "files": {
-            f: {"sha256": _sha256(dest / f), "size": (dest / f).stat().st_size} for f in ("model.xml", "model.bin")
+            f: {"sha256": sha256_file(dest / f), "size": (dest / f).stat().st_size} for f in ("model.xml", "model.bin")
         },
         "export_seconds": round(time.monotonic() - t0, 1),
         "export_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),

@@ -25,12 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agent.hashing import CHUNK, sha256_file
 from agent.models.registry import REGISTRY, ModelSpec
 from agent.paths import models_dir
 from agent.progress import Progress, step
 
 log = logging.getLogger(__name__)
-CHUNK = 8 << 20
 
 
 class StoreError(RuntimeError):
@@ -165,14 +165,17 @@ def _run_pip_download(reqs: list[str], dest: Path, find_links: Path | None, quie
 
 def _sha256_files(files: Iterable[Path], label: str, quiet: bool) -> str:
     files = list(files)
-    h = hashlib.sha256()
     with Progress(label, total=sum(f.stat().st_size for f in files), enabled=not quiet) as pr:
+        if len(files) == 1:
+            return sha256_file(files[0], pr.update)
+        # several files: one digest over their concatenation
+        h = hashlib.sha256()
         for f in files:
             with f.open("rb") as fh:
                 while b := fh.read(CHUNK):
                     h.update(b)
                     pr.update(len(b))
-    return h.hexdigest()
+        return h.hexdigest()
 
 
 def _write_sidecars(checkpoint: Path, dest: Path, quiet: bool) -> dict[str, Any]:
