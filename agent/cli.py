@@ -30,6 +30,18 @@ def _positive_int(v: str) -> int:
     return i
 
 
+def _spec_k(v: str) -> int | None:
+    if v == "auto":
+        return None
+    try:
+        k = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a number of tokens, got {v!r}") from None
+    if not 0 <= k <= 64:
+        raise argparse.ArgumentTypeError("K must be between 0 and 64")
+    return k
+
+
 def _port(v: str) -> int:
     try:
         p = int(v)
@@ -138,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument(
         "--ship-artifacts", action="store_true", help="agents always download stage files over HTTP, even on this host"
     )
+    sv.add_argument("--draft", help="speculative decoding: a draft model with the same tokenizer, or 'lookup'")
+    sv.add_argument("--draft-weights", choices=["fp32", "fp16", "int8", "int4"], default="int4")
+    sv.add_argument("--spec-k", type=_spec_k, help="drafted tokens per round: a number, or auto (default)")
 
     ch = sub.add_parser("chat", help="chat in the terminal with a coordinator's API")
     ch.add_argument("--url", default="http://127.0.0.1:8000", help="the coordinator's API base URL")
@@ -352,7 +367,12 @@ def _serve(args: argparse.Namespace) -> int:
         wire_dtype="f32" if args.exact else args.wire,
         exact=args.exact,
         ship_artifacts=args.ship_artifacts,
+        draft=args.draft,
+        draft_weights=args.draft_weights,
+        spec_k=args.spec_k,
     )
+    if args.spec_k is not None and not args.draft:
+        raise CliError("--spec-k needs --draft (a draft model or lookup)")
     run_coordinator(cfg)
     return 0
 

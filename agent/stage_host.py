@@ -131,6 +131,7 @@ class StageHost:
             st = self._stream(fwd)
             if fwd.rollback:
                 st.rollback(fwd.rollback)
+                st.maybe_compact()
             pos0 = st.pos
             idx = np.asarray(fwd.logits, dtype=np.int64) if fwd.logits else None
             try:

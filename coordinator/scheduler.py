@@ -3,6 +3,8 @@
 Each admitted request is a coroutine that sends one step and awaits its token; while it
 waits, the other streams' steps occupy the other stages. Streams join and leave at any step,
 each with its own prompt, length and sampling settings. Requests beyond S wait for a slot.
+With a drafter configured, every stream decodes speculatively (see
+:mod:`coordinator.speculative`); speculative streams interleave like plain ones.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 
 from agent.protocol import SamplingSpec
 from coordinator.pipeline import Pipeline
+from coordinator.speculative import SpecConfig, Speculator
 
 log = logging.getLogger(__name__)
 PREFILL_CHUNK = 1024
@@ -26,13 +29,15 @@ class GenRequest:
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     stop_ids: frozenset[int] = frozenset()
     ids_only: bool = True  # False: the last stage returns logits (the naive design)
+    spec_k: int | None = None  # fixed draft length for this request (0: no speculation)
 
 
 class Scheduler:
-    def __init__(self, pipeline: Pipeline, max_streams: int = 4) -> None:
+    def __init__(self, pipeline: Pipeline, max_streams: int = 4, spec: SpecConfig | None = None) -> None:
         if max_streams < 1:
             raise ValueError("max_streams must be at least 1")
         self.pipeline = pipeline
+        self.speculator = Speculator(pipeline, spec) if spec is not None else None
         self.max_streams = max_streams
         self._slots = asyncio.Semaphore(max_streams)
         self.active = 0
@@ -50,8 +55,29 @@ class Scheduler:
             self.waiting -= 1
         self.active += 1
         stream = self.pipeline.new_stream()
+        spec = self.speculator if req.ids_only and req.spec_k != 0 else None
+        session = spec.open_session(req.prompt) if spec is not None else None
         try:
             toks = await self._prefill(stream, req)
+            if spec is not None and session is not None:
+                gen = spec.async_decode(
+                    stream,
+                    session,
+                    req.prompt,
+                    toks[-1],
+                    max_tokens=req.max_tokens,
+                    sampling=req.sampling,
+                    k_override=req.spec_k,
+                )
+                try:
+                    async for tok in gen:
+                        if tok in req.stop_ids:
+                            return
+                        self.tokens_out += 1
+                        yield tok
+                finally:
+                    await gen.aclose()
+                return
             for i in range(req.max_tokens):
                 tok = toks[-1]
                 if tok in req.stop_ids:
@@ -64,6 +90,8 @@ class Scheduler:
         finally:
             self.active -= 1
             self._slots.release()
+            if session is not None:
+                session.close()
             try:
                 await self.pipeline.async_close_stream(stream)
             except Exception as e:  # the request is over either way
@@ -77,3 +105,7 @@ class Scheduler:
                 stream, chunk, start=off == 0, sampling=req.sampling, ret_logits=not req.ids_only
             )
         return toks
+
+    def shutdown(self) -> None:
+        if self.speculator is not None:
+            self.speculator.shutdown()

@@ -26,9 +26,11 @@ from agent.models.store import LocalModel
 from agent.protocol import MAX_FRAME
 from agent.runtime.tokenizer import ChatTokenizer
 from coordinator.api import ApiState, make_api_app
+from coordinator.drafting import load_drafter
 from coordinator.pipeline import Pipeline, StagePlacement
 from coordinator.planner import balanced_split, model_costs, split_from_cuts
 from coordinator.scheduler import Scheduler
+from coordinator.speculative import SpecConfig
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,10 @@ class ServeConfig:
     quiet: bool = False
     api: bool = True  # False: the pipeline and scheduler only (benchmarks)
     ship_artifacts: bool = False
+    draft: str | None = None  # speculative decoding: a draft model (name or path) or "lookup"
+    draft_weights: str = "int4"
+    draft_threads: int | None = None
+    spec_k: int | None = None  # fixed draft length; None: chosen at run time
     ready: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -128,7 +134,20 @@ class Coordinator:
         data_app.router.add_get(r"/artifacts/{export}/{stage:\d+}/{name}", artifact)
         await self._site(data_app, cfg.data_host, data_port)
         await self.pipeline.async_start()
-        self.scheduler = Scheduler(self.pipeline, cfg.max_streams)
+        spec = None
+        if cfg.draft:
+            draft = cfg.draft
+            drafter = await loop.run_in_executor(
+                None,
+                lambda: load_drafter(
+                    draft, cfg.model, weights=cfg.draft_weights, threads=cfg.draft_threads, quiet=cfg.quiet
+                ),
+            )
+            spec = SpecConfig(drafter, k=cfg.spec_k)
+            log.info(
+                "speculative decoding with %s, K %s", drafter.name, cfg.spec_k if cfg.spec_k is not None else "auto"
+            )
+        self.scheduler = Scheduler(self.pipeline, cfg.max_streams, spec)
         if not cfg.api:
             cfg.ready.set()
             return
@@ -149,6 +168,8 @@ class Coordinator:
         self._runners.append(runner)
 
     async def async_stop(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
         if self.pipeline is not None:
             await self.pipeline.async_close()
         for r in reversed(self._runners):

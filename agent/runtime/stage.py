@@ -40,6 +40,19 @@ def _shared(x: np.ndarray) -> ov.Tensor:
     return ov.Tensor(x, shared_memory=True)
 
 
+# Masked (rolled-back) slots still cost attention time. Compacting reads and writes every
+# layer's cache (about one decode step), so it is done only once the junk is both large in
+# absolute terms and a sizeable fraction of the cache: then its cost is repaid within a few
+# steps of cheaper attention, while short rollbacks never pay it.
+COMPACT_MIN_SLOTS = 64
+COMPACT_FRACTION = 0.25
+
+
+def should_compact(phys: int, masked: int) -> bool:
+    """Whether a stream's KV cache with ``masked`` junk slots out of ``phys`` should be compacted."""
+    return masked >= COMPACT_MIN_SLOTS and masked >= COMPACT_FRACTION * phys
+
+
 class Stream:
     """Per-stream state on one stage."""
 
@@ -64,6 +77,43 @@ class Stream:
 
     def masked_slots(self) -> int:
         return int(self.phys - self._mask[: self.phys].sum())
+
+    def maybe_compact(self) -> bool:
+        if should_compact(self.phys, self.masked_slots()):
+            self.compact()
+            return True
+        return False
+
+    def _rewrite_states(self, keep: np.ndarray) -> None:
+        """Keep only the KV slots ``keep`` (indices into the physical slots) in every state."""
+        for state in self.request.query_state():
+            kv = state.state.data  # [batch, kv_heads, phys, head_dim]
+            if kv.ndim != 4 or kv.shape[2] != self.phys:
+                raise StageError(f"unexpected KV state shape {kv.shape} for {self.phys} slots")
+            state.state = ov.Tensor(np.ascontiguousarray(kv[:, :, keep, :]))
+
+    def trim(self, r: int) -> None:
+        """Physically remove the last ``r`` slots from the KV state (the costly alternative to
+        :meth:`rollback`: a read and a write of every layer's cache)."""
+        if r < 0 or r > self.phys:
+            raise StageError(f"cannot trim {r} slots of {self.phys}")
+        if r:
+            valid = int(self._mask[self.phys - r : self.phys].sum())
+            self._rewrite_states(np.arange(self.phys - r))
+            self._mask[self.phys - r : self.phys] = 0
+            self.phys -= r
+            self.pos -= valid
+
+    def compact(self) -> None:
+        """Drop every masked slot from the KV state; logical positions are unchanged (RoPE is
+        already applied to the cached keys), so later output is the same."""
+        keep = np.flatnonzero(self._mask[: self.phys])
+        if keep.size == self.phys:
+            return
+        self._rewrite_states(keep)
+        self._mask[: keep.size] = 1
+        self._mask[keep.size : self.phys] = 0
+        self.phys = int(keep.size)
 
     def _mask_for(self, n: int) -> np.ndarray:
         need = self.phys + n

@@ -1,0 +1,191 @@
+"""Drafters: cheap guesses of the next K tokens, checked by the target pipeline.
+
+* :class:`LookupDrafter` (prompt lookup): finds the most recent earlier occurrence of the
+  context's last n-gram and proposes what followed it. No model, no cost; strong when the
+  answer repeats its input (code edits, quoting).
+* :class:`ModelDrafter`: a small model with the target's tokenizer, run as a whole-model
+  stateful IR on the coordinator. Each stream has its own InferRequest; tokens the target
+  rejected are rolled back by the attention mask, exactly as on the target's stages.
+
+A drafter hands out one :class:`DraftSession` per stream. ``propose`` is blocking (it may
+run inference): call it off the event loop.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from agent.models.store import LocalModel
+
+
+class DraftSession(Protocol):
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` tokens likely to follow ``context`` (all tokens so far, prompt included)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Drafter(Protocol):
+    name: str
+
+    def session(self) -> DraftSession: ...
+
+
+# ---- prompt lookup --------------------------------------------------------------------------
+
+
+class LookupSession:
+    """Per-stream n-gram index over the context, extended as the context grows."""
+
+    def __init__(self, max_ngram: int, min_ngram: int) -> None:
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self._ctx: list[int] = []
+        self._index: dict[tuple[int, ...], int] = {}  # n-gram -> where its latest continuation starts
+        self._indexed = 0  # n-grams ending before this position are indexed
+
+    def _sync(self, context: Sequence[int]) -> None:
+        n = len(context)
+        common = min(len(self._ctx), n)
+        if self._ctx[:common] != list(context[:common]):  # not an extension: start over
+            self._ctx, self._index, self._indexed = [], {}, 0
+        self._ctx = list(context)
+        # index every n-gram ending at j for j <= n-2 (the tail n-gram must match an earlier one)
+        for j in range(self._indexed, n - 1):
+            for g in range(self.min_ngram, self.max_ngram + 1):
+                if j - g + 1 >= 0:
+                    self._index[tuple(self._ctx[j - g + 1 : j + 1])] = j + 1
+        self._indexed = max(self._indexed, n - 1)
+
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
+        if k <= 0 or not context:
+            return []
+        self._sync(context)
+        n = len(self._ctx)
+        for g in range(min(self.max_ngram, n), self.min_ngram - 1, -1):
+            start = self._index.get(tuple(self._ctx[n - g :]))
+            if start is not None:
+                return self._ctx[start : start + k]
+        return []
+
+    def close(self) -> None:
+        self._ctx, self._index = [], {}
+
+
+class LookupDrafter:
+    name = "lookup"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not (1 <= min_ngram <= max_ngram):
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def session(self) -> LookupSession:
+        return LookupSession(self.max_ngram, self.min_ngram)
+
+
+# ---- draft model ----------------------------------------------------------------------------
+
+
+class ModelSession:
+    """One stream of the draft model: the tokens its KV holds, rolled back by mask."""
+
+    def __init__(self, drafter: ModelDrafter) -> None:
+        from agent.runtime.stage import Stream
+
+        self._d = drafter
+        self._stream: Stream = drafter.stage.open_stream()
+        self._stream.reset()
+        self._fed: list[int] = []  # tokens whose KV slots are live, in order
+
+    def _feed(self, ids: Sequence[int]) -> int:
+        out = self._d.stage.forward(self._stream, np.asarray(ids, dtype=np.int64)[None, :])
+        self._fed.extend(ids)
+        assert out.token_ids is not None
+        return int(out.token_ids[-1])
+
+    def prefill(self, prompt: Sequence[int]) -> None:
+        """Feed the prompt ahead of the first proposal (while the target prefills it too)."""
+        if prompt and not self._fed:
+            self._feed(prompt)
+
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
+        if k <= 0 or not context:
+            return []
+        common = 0
+        limit = min(len(self._fed), len(context) - 1)  # always feed at least the last token
+        while common < limit and self._fed[common] == context[common]:
+            common += 1
+        drop = len(self._fed) - common
+        if drop:
+            self._stream.rollback(drop)
+            self._stream.maybe_compact()
+            del self._fed[common:]
+        tok = self._feed(context[common:])
+        out = [tok]
+        while len(out) < k:
+            out.append(self._feed([out[-1]]))
+        return out
+
+    def close(self) -> None:
+        self._fed = []
+
+
+class ModelDrafter:
+    """A whole-model (1-stage) stateful IR of a draft model with the target's tokenizer."""
+
+    def __init__(self, stage_dir: Path, name: str, *, device: str = "CPU", threads: int | None = None) -> None:
+        from agent.runtime.stage import Stage
+
+        self.name = name
+        self.stage = Stage(stage_dir, device=device, threads=threads)
+        if not (self.stage.first and self.stage.last):
+            raise ValueError(f"the draft must be a whole-model (1-stage) export, got {stage_dir}")
+        self._lock = threading.Lock()
+
+    def session(self) -> ModelSession:
+        with self._lock:
+            return ModelSession(self)
+
+
+# ---- set-up ---------------------------------------------------------------------------------
+
+
+def same_tokenizer(a: Path, b: Path) -> bool:
+    """Whether two tokenizer directories map text to the same ids (vocabulary and added tokens)."""
+    import json
+
+    def ids(d: Path) -> tuple[object, object]:
+        t = json.loads((d / "tokenizer.json").read_text(encoding="utf-8"))
+        added = sorted((x["id"], x["content"]) for x in t.get("added_tokens", []))
+        return t.get("model", {}).get("vocab"), added
+
+    try:
+        return ids(a) == ids(b)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def load_drafter(
+    ref: str, target: LocalModel, *, weights: str, device: str = "CPU", threads: int | None = None, quiet: bool = True
+) -> Drafter:
+    """``lookup`` or a model (name or path) whose tokenizer is the target's, exported whole."""
+    if ref == "lookup":
+        return LookupDrafter()
+    from agent.export.exporter import ExportOptions, export_model
+    from agent.models.store import ModelStore
+
+    draft = ModelStore().resolve(ref, quiet=quiet)
+    if not same_tokenizer(draft.tokenizer_dir, target.tokenizer_dir):
+        raise ValueError(
+            f"the draft {draft.name} does not share {target.name}'s tokenizer: pick a draft of the same family, "
+            "or --draft lookup"
+        )
+    res = export_model(draft, [(0, draft.num_layers)], ExportOptions(weights=weights), quiet=quiet)
+    return ModelDrafter(res.stage_dirs()[0], f"{draft.name}/{weights}", device=device, threads=threads)

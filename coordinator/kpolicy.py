@@ -1,0 +1,132 @@
+"""How many tokens to draft per round: a pure function of measured costs, and their estimator.
+
+A speculative round drafts K tokens, then verifies the pending token plus the K drafts in one
+pass through the pipeline (K+1 positions). With a per-token acceptance probability ``a`` the
+round yields ``1 + a + a^2 + ... + a^K`` tokens (the accepted prefix plus one correction),
+and costs ``K * draft_s + step_s + K * extra_s``: the draft's time, one pipeline round (its
+compute and every network hop) and the extra compute of K more positions per step. A plain
+step yields one token for ``step_s``. K is the one that maximises tokens per second, and 0
+when no K beats plain by a margin: on a compute-bound CPU with a costly draft, speculation
+does not pay; over a WAN, where the round trip dominates ``step_s``, a long K does.
+
+Nothing is assumed about the machine: :class:`SpecStats` learns every cost from the rounds
+it observes, and keeps probing (rarely) the choice it is not making, so a change in load,
+link or prompt moves K.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+K_MAX = 16
+MARGIN = 0.03  # speculate only when the model predicts at least this gain over plain
+
+
+@dataclass(frozen=True)
+class SpecCosts:
+    acceptance: float  # probability that the target accepts a drafted token (given the previous was)
+    draft_s: float  # draft time per proposed token
+    step_s: float  # round time of a plain 1-token step: compute on every stage + all hops
+    extra_s: float  # added round time per additional verified position
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens gained per round of K drafts: the accepted prefix plus one target token."""
+    a = min(max(acceptance, 0.0), 1.0)
+    if a >= 1.0:
+        return float(k + 1)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def tokens_per_s(c: SpecCosts, k: int) -> float:
+    return expected_tokens(c.acceptance, k) / (k * (c.draft_s + c.extra_s) + c.step_s)
+
+
+def choose_k(c: SpecCosts, k_max: int = K_MAX, margin: float = MARGIN) -> int:
+    """The K in 0..k_max with the best predicted tokens per second (0 = do not speculate)."""
+    if c.step_s <= 0 or k_max < 1:
+        return 0
+    plain = tokens_per_s(c, 0)
+    best_k, best = 0, plain * (1.0 + margin)
+    for k in range(1, k_max + 1):
+        r = tokens_per_s(c, k)
+        if r > best * (1.0 + 1e-9):
+            best_k, best = k, r
+    return best_k
+
+
+class SpecStats:
+    """Running estimates of the costs in :class:`SpecCosts`, from observed rounds.
+
+    Exponentially weighted, so they follow a changing machine or link. ``next_k`` applies
+    :func:`choose_k` and, every so often, tries the other side (a plain step while
+    speculating, a short speculative round while not) so that no estimate goes stale; the
+    probing interval doubles while probes keep confirming the choice.
+    """
+
+    def __init__(self, *, k_max: int = K_MAX, decay: float = 0.85, acceptance: float = 0.6) -> None:
+        self.k_max = k_max
+        self.decay = decay
+        self.acceptance = acceptance
+        self.draft_s: float | None = None
+        self.step_s: float | None = None
+        self.extra_s: float | None = None
+        self._accepted = 4.0 * acceptance  # pseudo-counts for the acceptance estimate
+        self._trials = 4.0
+        self._probe_every = 8
+        self._since_probe = 0
+        self._speculating = False
+        self.last_k = 0
+
+    def _ewma(self, old: float | None, new: float) -> float:
+        return new if old is None else self.decay * old + (1.0 - self.decay) * new
+
+    def observe_draft(self, seconds: float, proposed: int) -> None:
+        if proposed > 0:
+            self.draft_s = self._ewma(self.draft_s, max(seconds, 0.0) / proposed)
+
+    def observe_step(self, positions: int, seconds: float) -> None:
+        """A pipeline round of ``positions`` verified positions took ``seconds``."""
+        if positions <= 1:
+            self.step_s = self._ewma(self.step_s, seconds)
+        elif self.step_s is not None:
+            per = max(seconds - self.step_s, 0.0) / (positions - 1)
+            self.extra_s = self._ewma(self.extra_s, per)
+
+    def observe_accept(self, proposed: int, accepted: int) -> None:
+        """``accepted`` of ``proposed`` drafts matched (a rejection ends the round)."""
+        if proposed <= 0:
+            return
+        rejected = 1.0 if accepted < proposed else 0.0
+        self._accepted = self.decay * self._accepted + accepted
+        self._trials = self.decay * self._trials + accepted + rejected
+        self.acceptance = self._accepted / self._trials if self._trials > 0 else 0.0
+
+    def costs(self) -> SpecCosts | None:
+        if self.step_s is None:
+            return None
+        extra = self.extra_s if self.extra_s is not None else 0.3 * self.step_s
+        return SpecCosts(self.acceptance, self.draft_s or 0.0, self.step_s, extra)
+
+    def next_k(self, remaining: int) -> int:
+        """K for the next round, with ``remaining`` tokens still wanted."""
+        cap = min(self.k_max, max(remaining - 1, 0))
+        if cap < 1:
+            return 0
+        c = self.costs()
+        if c is None:
+            return 0  # first measure a plain step
+        k = choose_k(c, cap)
+        if self.extra_s is None or self.draft_s is None:
+            k = max(k, min(2, cap))  # nothing measured about speculation yet: try it once
+        if (k > 0) != self._speculating:
+            self._speculating = k > 0
+            self._probe_every, self._since_probe = 8, 0  # the choice flipped: watch closely again
+        self._since_probe += 1
+        if self._since_probe >= self._probe_every:
+            # try the other side once; probe less often while the choice holds
+            self._since_probe = 0
+            self._probe_every = min(self._probe_every * 2, 256)
+            k = 0 if k > 0 else min(2, cap)
+        self.last_k = k
+        return k

@@ -1,0 +1,74 @@
+"""Drafters: prompt lookup (pure) and the draft model with its own mask rollback."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.drafting import LookupDrafter, ModelDrafter, load_drafter
+from coordinator.speculative import accept
+
+
+@pytest.mark.parametrize(
+    ("context", "k", "want"),
+    [
+        ([1, 2, 3, 4, 5, 1, 2, 3], 3, [4, 5, 1]),  # trigram seen before: what followed it
+        ([1, 2, 3, 4, 5, 9, 2, 3], 2, [4, 5]),  # bigram
+        ([7, 8, 9, 7], 5, [8, 9, 7]),  # unigram; the continuation runs to the end of the context
+        ([1, 2, 3, 4], 3, []),  # nothing repeats
+        ([5, 6, 1, 2, 5, 6, 3, 4, 5, 6], 2, [3, 4]),  # the most recent occurrence wins
+        ([1, 2, 1, 2], 0, []),
+    ],
+)
+def test_lookup_proposals(context: list[int], k: int, want: list[int]) -> None:
+    assert LookupDrafter().session().propose(context, k) == want
+
+
+def test_lookup_follows_a_growing_context() -> None:
+    s = LookupDrafter().session()
+    ctx = [10, 11, 12, 13]
+    assert s.propose(ctx, 2) == []
+    ctx += [10, 11]
+    assert s.propose(ctx, 2) == [12, 13]
+    ctx += [12, 99, 10]
+    assert s.propose(ctx, 3) == [11, 12, 99]
+    assert s.propose([10, 11, 10], 1) == [11]  # a different context: re-indexed from scratch
+
+
+@pytest.mark.parametrize(
+    ("drafts", "target", "n"),
+    [([], [5], 0), ([1, 2, 3], [1, 2, 3, 4], 3), ([1, 2, 3], [1, 9, 3, 4], 1), ([1], [2, 3], 0)],
+)
+def test_accept_longest_matching_prefix(drafts: list[int], target: list[int], n: int) -> None:
+    assert accept(drafts, target) == n
+
+
+def test_draft_model_rolls_back_rejected_tokens(smollm2) -> None:  # type: ignore[no-untyped-def]
+    drafter = load_drafter("smollm2-135m", smollm2, weights="int8")
+    assert isinstance(drafter, ModelDrafter)
+    prompt = [1, 504, 3458, 282, 4649, 314, 3840, 30]
+    s = drafter.session()
+    s.prefill(prompt)
+    first = s.propose([*prompt, 378], 5)
+    assert len(first) == 5
+    # the target rejected everything after the second draft and chose 2313 instead
+    ctx = [*prompt, 378, first[0], first[1], 2313]
+    got = s.propose(ctx, 4)
+    fresh = drafter.session()
+    assert got == fresh.propose(ctx, 4)  # a session that never saw the rejected drafts
+    assert s._stream.masked_slots() > 0  # rolled back by mask, not re-run
+
+
+def test_tokenizer_check_tells_a_changed_vocabulary(smollm2, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from coordinator.drafting import same_tokenizer
+
+    src = smollm2.tokenizer_dir
+    assert same_tokenizer(src, src)
+    t = json.loads((src / "tokenizer.json").read_text())
+    vocab = t["model"]["vocab"]
+    a, b = list(vocab)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two ids swapped: same words, different ids
+    (tmp_path / "tokenizer.json").write_text(json.dumps(t))
+    assert not same_tokenizer(src, tmp_path)
+    assert not same_tokenizer(src, tmp_path / "missing")

@@ -1,0 +1,77 @@
+"""The K policy: a pure function of measured costs, and the estimator that feeds it."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.kpolicy import SpecCosts, SpecStats, choose_k, expected_tokens, tokens_per_s
+
+
+@pytest.mark.parametrize(
+    ("acceptance", "k", "tokens"),
+    [(0.0, 5, 1.0), (1.0, 5, 6.0), (0.5, 1, 1.5), (0.5, 3, 1.875), (0.8, 0, 1.0)],
+)
+def test_expected_tokens(acceptance: float, k: int, tokens: float) -> None:
+    assert expected_tokens(acceptance, k) == pytest.approx(tokens)
+
+
+# (case, acceptance, draft_s, step_s, extra_s, lowest K allowed, highest K allowed)
+CASES = [
+    # 2-core CPU, one node: compute-bound, the draft costs 36% of a target step, a 4-token
+    # verify costs 1.7x a 1-token step: speculation does not pay
+    ("cpu-lan-model-draft", 0.6, 0.036, 0.100, 0.023, 0, 0),
+    # same machine, free prompt-lookup drafts that are usually right (a code edit)
+    ("cpu-lan-lookup-code", 0.85, 0.0, 0.100, 0.023, 2, 16),
+    # drafts are never right: never speculate, however cheap
+    ("useless-drafts", 0.0, 0.0, 0.100, 0.001, 0, 0),
+    # memory-bound GPU node on a LAN: verify is nearly free, moderate K
+    ("gpu-lan", 0.7, 0.004, 0.040, 0.002, 3, 8),
+    # 2 stages, 100 ms per hop: the 300 ms round trip dominates, long K
+    ("wan-100ms", 0.85, 0.025, 0.440, 0.030, 5, 16),
+    # 20 ms per hop: in between
+    ("wan-20ms", 0.75, 0.025, 0.200, 0.030, 3, 12),
+]
+
+
+@pytest.mark.parametrize(("case", "acc", "draft", "step", "extra", "lo", "hi"), CASES, ids=[c[0] for c in CASES])
+def test_choose_k(case: str, acc: float, draft: float, step: float, extra: float, lo: int, hi: int) -> None:
+    c = SpecCosts(acc, draft, step, extra)
+    k = choose_k(c)
+    assert lo <= k <= hi, (case, k)
+    if k:  # the chosen K beats plain and every other K
+        assert tokens_per_s(c, k) > tokens_per_s(c, 0)
+        assert all(tokens_per_s(c, k) >= tokens_per_s(c, j) for j in range(17))
+
+
+def test_longer_round_trips_never_shorten_k() -> None:
+    ks = [choose_k(SpecCosts(0.7, 0.02, 0.05 + rtt, 0.02)) for rtt in (0.0, 0.02, 0.05, 0.1, 0.2, 0.4)]
+    assert ks == sorted(ks) and ks[-1] > ks[0]
+
+
+def _simulate(stats: SpecStats, acc: float, draft: float, step: float, extra: float, rounds: int) -> list[int]:
+    """Feed the estimator rounds of a machine with these true costs (deterministic acceptance)."""
+    chosen = []
+    carry = 0.0
+    for _ in range(rounds):
+        k = stats.next_k(1000)
+        chosen.append(k)
+        if k:
+            stats.observe_draft(draft * k, k)
+            # accept a fraction ``acc`` of drafts on average, as whole-token prefixes
+            carry += acc * k
+            a = min(int(carry), k)
+            carry -= a
+            stats.observe_accept(k, a)
+        stats.observe_step(k + 1, step + extra * k)
+    return chosen
+
+
+def test_estimator_learns_to_stop_speculating_when_it_does_not_pay() -> None:
+    ks = _simulate(SpecStats(), acc=0.3, draft=0.04, step=0.1, extra=0.03, rounds=300)
+    tail = ks[-100:]
+    assert tail.count(0) >= 95  # plain, apart from rare probes
+
+
+def test_estimator_learns_a_long_k_over_a_wan() -> None:
+    ks = _simulate(SpecStats(), acc=0.9, draft=0.02, step=0.44, extra=0.03, rounds=200)
+    assert min(ks[-50:]) >= 0 and sorted(ks[-50:])[25] >= 7
