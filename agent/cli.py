@@ -198,6 +198,23 @@ def build_parser() -> argparse.ArgumentParser:
     me.add_argument("--prompt-tokens", type=_positive_int, default=1024)
     me.add_argument("--random-weights", action="store_true")
     me.add_argument("--json", action="store_true")
+    sp = bsub.add_parser("spec", help="speculative vs plain decoding through a pipeline, with rollback costs")
+    sp.add_argument("--target", default="smollm2-135m")
+    sp.add_argument("--draft", default="lookup", help="a draft model with the target's tokenizer, or lookup")
+    sp.add_argument("--weights", choices=["fp32", "fp16", "int8", "int4"])
+    sp.add_argument("--draft-weights", choices=["fp32", "fp16", "int8", "int4"], default="int4")
+    sp.add_argument("--k", default="auto,2,3,5,7", help="K values to measure: auto and/or numbers")
+    sp.add_argument("--prompts", choices=["code", "chat"], default="code")
+    sp.add_argument("--num-prompts", type=_positive_int, default=4)
+    sp.add_argument("--stages", type=_positive_int, default=1)
+    sp.add_argument("--streams", type=_positive_int, default=1)
+    sp.add_argument("--cores-per-node", type=_positive_int, help="default: this machine's cores / stages")
+    sp.add_argument("--link-delay-ms", type=float, default=0.0)
+    sp.add_argument("--wan-mbps", type=float, default=100.0, help="line rate when --link-delay-ms is set")
+    sp.add_argument("--tokens", type=_positive_int, default=96, help="tokens per prompt")
+    sp.add_argument("--runs", type=_positive_int, default=3)
+    sp.add_argument("--no-genai", action="store_true", help="skip the OpenVINO GenAI comparison")
+    sp.add_argument("--json", action="store_true")
     par.add_argument("--json", action="store_true", help="print only the JSON result line on stdout")
     return ap
 
@@ -259,17 +276,15 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_demo(args)
     if args.cmd == "bench":
-        if args.bench_cmd in ("pipeline", "memory"):
-            from agent.bench import memory, pipeline
+        import importlib
 
-            try:
-                result = (pipeline.run if args.bench_cmd == "pipeline" else memory.run)(args)
-            except pipeline.BenchError as e:
-                raise CliError(str(e)) from None
-        else:
-            from agent.bench import parity
+        from agent.bench.pipeline import BenchError
 
-            result = parity.run(args)
+        suite = importlib.import_module(f"agent.bench.{args.bench_cmd}")
+        try:
+            result = suite.run(args)
+        except BenchError as e:
+            raise CliError(str(e)) from None
         print(json.dumps(result))
         return 0
     raise CliError(f"unknown command {args.cmd}")

@@ -1,0 +1,281 @@
+"""``lakeshard bench spec``: speculative decoding against plain decoding, in the same run.
+
+The target is served by agent processes pinned to their own cores (``--stages`` of them);
+the coordinator, with the draft model (or prompt lookup), runs in this process. One
+coordinator serves every configuration: plain (K=0), each fixed K and ``auto`` (the K
+policy), interleaved run by run in rotated order, so machine drift hits them alike.
+Throughput = generated tokens / wall time over the prompt set (prefill included).
+
+It also times the two ways to drop rejected tokens from a stateful stage: the mask rollback
+we use, and the physical trim (``query_state``/``set_state``) it replaces, against one
+decode step. On one node it runs OpenVINO GenAI's own speculative pipeline too where it can.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from agent import aio
+from agent.bench.pipeline import BenchError
+from agent.bench.spec_prompts import PROMPTS
+from agent.export.exporter import ExportOptions, export_model
+from agent.models.registry import REGISTRY
+from agent.models.store import LocalModel, ModelStore
+from coordinator.local_cluster import LocalCluster
+from coordinator.scheduler import GenRequest
+from coordinator.serve import Coordinator, ServeConfig
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def parse_ks(v: str) -> list[int | None]:
+    out: list[int | None] = []
+    for x in v.split(","):
+        x = x.strip()
+        if not x:
+            continue
+        if x == "auto":
+            out.append(None)
+        elif x.isdigit() and 1 <= int(x) <= 32:
+            out.append(int(x))
+        else:
+            raise BenchError(f"--k takes auto or numbers 1..32, got {x!r}")
+    if not out:
+        raise BenchError("--k is empty")
+    return out
+
+
+def _label(k: int | None) -> str:
+    return "auto" if k is None else str(k)
+
+
+def rollback_costs(stage_dir: Path, prompt: list[int], threads: int, k: int = 3, reps: int = 15) -> dict[str, float]:
+    """Median ms of a mask rollback, a physical trim and one decode step on a real stage."""
+    from agent.runtime.stage import Stage
+
+    stage = Stage(stage_dir, device="CPU", threads=threads)
+    mask_ms, trim_ms, step_ms = [], [], []
+    streams = [stage.open_stream(), stage.open_stream()]
+    for st in streams:
+        st.reset()
+        stage.forward(st, np.asarray(prompt, dtype=np.int64)[None, :])
+    drafts = np.asarray([prompt[-1]] * (k + 1), dtype=np.int64)[None, :]
+    one = np.asarray([[prompt[-1]]], dtype=np.int64)
+    for _ in range(reps):
+        masked, trimmed = streams
+        stage.forward(masked, drafts)
+        t0 = time.perf_counter()
+        masked.rollback(k)
+        mask_ms.append((time.perf_counter() - t0) * 1000)
+        stage.forward(trimmed, drafts)
+        t0 = time.perf_counter()
+        trimmed.trim(k)
+        trim_ms.append((time.perf_counter() - t0) * 1000)
+        t0 = time.perf_counter()
+        stage.forward(trimmed, one)
+        step_ms.append((time.perf_counter() - t0) * 1000)
+        stage.forward(masked, one)
+    m, t, s = (statistics.median(x) for x in (mask_ms, trim_ms, step_ms))
+    return {
+        "rollback_mask_ms": round(m, 4),
+        "rollback_trim_ms": round(t, 3),
+        "decode_step_ms": round(s, 3),
+        "rollback_mask_pct_step": round(100 * m / s, 4),
+        "rollback_trim_pct_step": round(100 * t / s, 1),
+    }
+
+
+def genai_spec(
+    target: LocalModel,
+    draft: LocalModel | None,
+    weights: str,
+    draft_weights: str,
+    k: int,
+    prompts: list[list[int]],
+    tokens: int,
+    threads: int,
+) -> dict[str, Any]:
+    """OpenVINO GenAI on one node: plain LLMPipeline and its speculative pipeline."""
+    out: dict[str, Any] = {"genai_tok_s": None, "genai_spec_tok_s": None}
+    try:
+        import openvino as ov
+        import openvino_genai as ovg
+    except ImportError as e:
+        out["genai_error"] = f"openvino_genai is not installed: {e}"
+        return out
+    tdir = export_model(target, [(0, target.num_layers)], ExportOptions(weights=weights, genai=True), quiet=True).dir
+    props = {"KV_CACHE_PRECISION": "f16", "INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": "f32"}
+
+    def timed(pipe: Any, extra: dict[str, Any]) -> float:
+        cfg = pipe.get_generation_config()
+        cfg.max_new_tokens, cfg.min_new_tokens, cfg.ignore_eos, cfg.do_sample = tokens, tokens, True, False
+        for key, v in extra.items():
+            setattr(cfg, key, v)
+        n, t0 = 0, time.perf_counter()
+        for p in prompts:
+            arr = np.asarray(p, dtype=np.int64)[None, :]
+            res = pipe.generate(ovg.TokenizedInputs(ov.Tensor(arr), ov.Tensor(np.ones_like(arr))), cfg)
+            n += len(res.tokens[0])
+        return n / (time.perf_counter() - t0)
+
+    plain = ovg.LLMPipeline(str(tdir), "CPU", ATTENTION_BACKEND="SDPA", **props)
+    out["genai_tok_s"] = round(timed(plain, {}), 2)
+    del plain
+    try:
+        if draft is None:
+            pipe = ovg.LLMPipeline(str(tdir), "CPU", prompt_lookup=True, **props)
+            extra: dict[str, Any] = {"num_assistant_tokens": k, "max_ngram_size": 3}
+        else:
+            ddir = export_model(
+                draft, [(0, draft.num_layers)], ExportOptions(weights=draft_weights, genai=True), quiet=True
+            ).dir
+            pipe = ovg.LLMPipeline(str(tdir), "CPU", draft_model=ovg.draft_model(str(ddir), "CPU", **props), **props)
+            extra = {"num_assistant_tokens": k}
+        out["genai_spec_tok_s"] = round(timed(pipe, extra), 2)
+    except Exception as e:  # GenAI's speculative path rewrites the graph for PagedAttention
+        out["genai_spec_error"] = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
+    return out
+
+
+async def _measure(
+    cfg: ServeConfig, prompts: list[list[int]], ks: list[int | None], tokens: int, runs: int
+) -> dict[str, dict[str, Any]]:
+    coord = Coordinator(cfg)
+    await coord.async_start()
+    try:
+        sched = coord.scheduler
+        assert sched is not None and sched.speculator is not None
+        spec = sched.speculator
+
+        async def one(p: list[int], k: int | None, n: int) -> list[int]:
+            return [t async for t in sched.async_generate(GenRequest(tuple(p), max_tokens=n, spec_k=k))]
+
+        configs: list[int | None] = [0, *ks]
+        for k in configs:  # warm-up (first inferences allocate; the K policy gets first figures)
+            await asyncio.gather(*[one(p, k, 8) for p in prompts[:2]])
+        res: dict[str, dict[str, Any]] = {
+            _label(k): {"speeds": [], "rounds": 0, "proposed": 0, "accepted": 0, "outputs": None} for k in configs
+        }
+        loop = asyncio.get_running_loop()
+        for r in range(runs):
+            order = configs[r % len(configs) :] + configs[: r % len(configs)]
+            for k in order:
+                c0 = (spec.counters.rounds, spec.counters.proposed, spec.counters.accepted)
+                t0 = loop.time()
+                outs = await asyncio.gather(*[one(p, k, tokens) for p in prompts])
+                dt = loop.time() - t0
+                row = res[_label(k)]
+                row["speeds"].append(sum(len(o) for o in outs) / dt)
+                row["rounds"] += spec.counters.rounds - c0[0]
+                row["proposed"] += spec.counters.proposed - c0[1]
+                row["accepted"] += spec.counters.accepted - c0[2]
+                row["outputs"] = row["outputs"] or outs
+            _say(
+                f"run {r + 1}/{runs}: "
+                + ", ".join(f"K={name} {v['speeds'][-1]:.2f}" for name, v in res.items())
+                + " tok/s"
+            )
+        return res
+    finally:
+        await coord.async_stop()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    quiet = bool(args.json)
+    store = ModelStore()
+    target = store.resolve(args.target, quiet=quiet)
+    spec = REGISTRY.get(target.name)
+    weights = args.weights or (spec.default_weights if spec else "int4")
+    draft = None if args.draft == "lookup" else store.resolve(args.draft, quiet=quiet)
+    ks = parse_ks(args.k)
+    n, s = args.stages, args.streams
+    avail = sorted(os.sched_getaffinity(0))
+    c = args.cores_per_node or max(1, len(avail) // n)
+    if n * c > len(avail):
+        raise BenchError(f"{n} nodes x {c} cores need {n * c} cores; this machine has {len(avail)}")
+    node_cores = [avail[i * c : (i + 1) * c] for i in range(n)]
+    spare = avail[n * c :]
+
+    from agent.runtime.tokenizer import ChatTokenizer
+    from coordinator.serve import plan_ranges
+
+    tok = ChatTokenizer(target.tokenizer_dir, target.dir / "config.json")
+    prompts = [tok.chat_ids([{"role": "user", "content": p}]) for p in PROMPTS[args.prompts][: args.num_prompts]]
+    opts = ExportOptions(weights=weights)
+    whole = export_model(target, [(0, target.num_layers)], opts, quiet=quiet)
+    export_model(target, plan_ranges(target, n, None), opts, quiet=quiet)
+
+    result: dict[str, Any] = {
+        "suite": "spec",
+        "target": target.name,
+        "draft": args.draft,
+        "prompts": args.prompts,
+        "weights": weights,
+        "draft_weights": args.draft_weights,
+        "stages": n,
+        "streams": s,
+        "cores_per_node": c,
+        "link_delay_ms": args.link_delay_ms,
+        "tokens": args.tokens,
+        "repeats": args.runs,
+    }
+    _say("timing rollback: mask vs physical trim")
+    os.sched_setaffinity(0, node_cores[0])
+    result.update(rollback_costs(whole.stage_dirs()[0], prompts[0], threads=c))
+    os.sched_setaffinity(0, avail)
+
+    with LocalCluster(n, cores=node_cores, threads=c, device="CPU") as cluster:
+        if spare:  # the coordinator (and its draft) get cores of their own where there are any
+            os.sched_setaffinity(0, spare)
+        cfg = ServeConfig(
+            nodes=cluster.nodes,
+            model=target,
+            opts=opts,
+            quiet=True,
+            api=False,
+            max_streams=s,
+            link_delay_ms=args.link_delay_ms,
+            link_mbps=args.wan_mbps if args.link_delay_ms > 0 else 0.0,
+            draft=args.draft,
+            draft_weights=args.draft_weights,
+            draft_threads=len(spare) if spare else c,
+        )
+        res = aio.run(_measure(cfg, prompts, ks, args.tokens, args.runs))
+    os.sched_setaffinity(0, avail)
+
+    plain = statistics.median(res["0"]["speeds"])
+    runs_out = []
+    for k in ks:
+        row = res[_label(k)]
+        tps = statistics.median(row["speeds"])
+        runs_out.append(
+            {
+                "k": _label(k),
+                "spec_tok_s": round(tps, 2),
+                "speedup": round(tps / plain, 3),
+                "acceptance": round(row["accepted"] / row["proposed"], 3) if row["proposed"] else 0.0,
+                "mean_k": round(row["proposed"] / row["rounds"], 2) if row["rounds"] else 0.0,
+                "tokens_identical": row["outputs"] == res["0"]["outputs"],
+            }
+        )
+    best = max(runs_out, key=lambda r: r["spec_tok_s"])
+    result.update({"plain_tok_s": round(plain, 2), **best, "runs": runs_out})
+    if n == 1 and args.link_delay_ms == 0 and not args.no_genai:
+        fixed = [k for k in ks if k is not None]
+        gk = int(best["k"]) if best["k"] != "auto" else (fixed[0] if fixed else 3)
+        _say(f"OpenVINO GenAI on the same cores, K={gk}")
+        os.sched_setaffinity(0, node_cores[0])
+        result.update(genai_spec(target, draft, weights, args.draft_weights, gk, prompts, args.tokens, c))
+        os.sched_setaffinity(0, avail)
+    return result
