@@ -56,13 +56,13 @@ class Scheduler:
         self.active += 1
         stream = self.pipeline.new_stream()
         spec = self.speculator if req.ids_only and req.spec_k != 0 else None
-        session = spec.open_session(req.prompt) if spec is not None else None
+        draft = spec.open_session(req.prompt) if spec is not None else None
         try:
             toks = await self._prefill(stream, req)
-            if spec is not None and session is not None:
+            if spec is not None and draft is not None:
                 gen = spec.async_decode(
                     stream,
-                    session,
+                    draft,
                     req.prompt,
                     toks[-1],
                     max_tokens=req.max_tokens,
@@ -90,8 +90,8 @@ class Scheduler:
         finally:
             self.active -= 1
             self._slots.release()
-            if session is not None:
-                session.close()
+            if draft is not None:
+                draft.session.close()
             try:
                 await self.pipeline.async_close_stream(stream)
             except Exception as e:  # the request is over either way

@@ -18,7 +18,7 @@ import asyncio
 import functools
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from agent.protocol import SamplingSpec
@@ -32,6 +32,12 @@ class SpecConfig:
     drafter: Drafter
     k: int | None = None  # fixed K; None = chosen per round by the K policy
     k_max: int = K_MAX
+
+
+@dataclass
+class DraftHandle:
+    session: DraftSession
+    ready: Future[None] | None  # the draft's prefill of the prompt, if it has one
 
 
 @dataclass
@@ -77,18 +83,17 @@ class Speculator:
             return max(0, min(k, remaining - 1))
         return self.stats.next_k(remaining)
 
-    def open_session(self, prompt: Sequence[int]) -> DraftSession:
+    def open_session(self, prompt: Sequence[int]) -> DraftHandle:
         """A draft session for a new stream; its prefill starts now, beside the target's."""
         session = self.cfg.drafter.session()
         prefill = getattr(session, "prefill", None)
-        if prefill is not None:
-            self._pool.submit(prefill, list(prompt))  # FIFO: every later proposal runs after it
-        return session
+        ready = self._pool.submit(prefill, list(prompt)) if prefill is not None else None
+        return DraftHandle(session, ready)
 
     async def async_decode(
         self,
         stream: str,
-        session: DraftSession,
+        handle: DraftHandle,
         prompt: Sequence[int],
         first: int,
         *,
@@ -97,6 +102,9 @@ class Speculator:
         k_override: int | None = None,
     ) -> AsyncGenerator[int, None]:
         """Tokens after the prefill (whose token is ``first``), ``first`` included."""
+        session = handle.session
+        if handle.ready is not None:  # the draft's prefill: not a cost of any round
+            await asyncio.wrap_future(handle.ready)
         ctx = list(prompt)
         pending = first
         rollback = 0
