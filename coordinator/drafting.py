@@ -5,7 +5,9 @@
   answer repeats its input (code edits, quoting).
 * :class:`ModelDrafter`: a small model with the target's tokenizer, run as a whole-model
   stateful IR on the coordinator. Each stream has its own InferRequest; tokens the target
-  rejected are rolled back by the attention mask, exactly as on the target's stages.
+  rejected are rolled back by the attention mask, exactly as on the target's stages. With
+  ``lookup_first`` (``--draft NAME+lookup``) a long prompt-lookup match is proposed instead of
+  running the model: free drafts while the answer copies its input, the model elsewhere.
 
 A drafter hands out one :class:`DraftSession` per stream. ``propose`` is blocking (it may
 run inference): call it off the event loop.
@@ -100,6 +102,7 @@ class ModelSession:
         from agent.runtime.stage import Stream
 
         self._d = drafter
+        self._lookup = LookupSession(3, 3) if drafter.lookup_first else None
         self._stream: Stream = drafter.stage.open_stream()
         self._stream.reset()
         self._fed: list[int] = []  # tokens whose KV slots are live, in order
@@ -118,6 +121,10 @@ class ModelSession:
     def propose(self, context: Sequence[int], k: int) -> list[int]:
         if k <= 0 or not context:
             return []
+        if self._lookup is not None:
+            found = self._lookup.propose(context, k)
+            if len(found) == k:  # a trigram match with k tokens after it: trust the copy
+                return found
         common = 0
         limit = min(len(self._fed), len(context) - 1)  # always feed at least the last token
         while common < limit and self._fed[common] == context[common]:
@@ -140,10 +147,13 @@ class ModelSession:
 class ModelDrafter:
     """A whole-model (1-stage) stateful IR of a draft model with the target's tokenizer."""
 
-    def __init__(self, stage_dir: Path, name: str, *, device: str = "CPU", threads: int | None = None) -> None:
+    def __init__(
+        self, stage_dir: Path, name: str, *, device: str = "CPU", threads: int | None = None, lookup_first: bool = False
+    ) -> None:
         from agent.runtime.stage import Stage
 
         self.name = name
+        self.lookup_first = lookup_first
         self.stage = Stage(stage_dir, device=device, threads=threads)
         if not (self.stage.first and self.stage.last):
             raise ValueError(f"the draft must be a whole-model (1-stage) export, got {stage_dir}")
@@ -175,9 +185,12 @@ def same_tokenizer(a: Path, b: Path) -> bool:
 def load_drafter(
     ref: str, target: LocalModel, *, weights: str, device: str = "CPU", threads: int | None = None, quiet: bool = True
 ) -> Drafter:
-    """``lookup`` or a model (name or path) whose tokenizer is the target's, exported whole."""
+    """``lookup``, or a model (name or path) whose tokenizer is the target's, exported whole;
+    ``NAME+lookup``: that model, with prompt lookup tried first."""
     if ref == "lookup":
         return LookupDrafter()
+    lookup_first = ref.endswith("+lookup")
+    ref = ref.removesuffix("+lookup")
     from agent.export.exporter import ExportOptions, export_model
     from agent.models.store import ModelStore
 
@@ -188,4 +201,5 @@ def load_drafter(
             "or --draft lookup"
         )
     res = export_model(draft, [(0, draft.num_layers)], ExportOptions(weights=weights), quiet=quiet)
-    return ModelDrafter(res.stage_dirs()[0], f"{draft.name}/{weights}", device=device, threads=threads)
+    name = f"{draft.name}/{weights}" + ("+lookup" if lookup_first else "")
+    return ModelDrafter(res.stage_dirs()[0], name, device=device, threads=threads, lookup_first=lookup_first)

@@ -72,3 +72,16 @@ def test_tokenizer_check_tells_a_changed_vocabulary(smollm2, tmp_path) -> None: 
     (tmp_path / "tokenizer.json").write_text(json.dumps(t))
     assert not same_tokenizer(src, tmp_path)
     assert not same_tokenizer(src, tmp_path / "missing")
+
+
+def test_hybrid_drafter_proposes_a_copy_without_running_the_model(smollm2) -> None:  # type: ignore[no-untyped-def]
+    drafter = load_drafter("smollm2-135m+lookup", smollm2, weights="int8")
+    s = drafter.session()
+    code = [1, 504, 3458, 282, 4649, 314, 3840, 30, 378]
+    ctx = [*code, 2313, 77, 1, 504, 3458]  # the answer starts to repeat the code
+    s.prefill(ctx[:-1])
+    slots = s._stream.phys
+    assert s.propose(ctx, 4) == [282, 4649, 314, 3840]
+    assert s._stream.phys == slots  # the copy cost no inference
+    got = s.propose([*ctx, 9999], 3)  # nothing to copy after an unseen token: the model drafts
+    assert len(got) == 3 and s._stream.phys > slots

@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     target = store.resolve(args.target, quiet=quiet)
     spec = REGISTRY.get(target.name)
     weights = args.weights or (spec.default_weights if spec else "int4")
-    draft = None if args.draft == "lookup" else store.resolve(args.draft, quiet=quiet)
+    draft = None if args.draft == "lookup" else store.resolve(args.draft.removesuffix("+lookup"), quiet=quiet)
     ks = parse_ks(args.k)
     n, s = args.stages, args.streams
     avail = sorted(os.sched_getaffinity(0))
