@@ -366,6 +366,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise CliError("--api-host is not a loopback address: set --api-key so the API is not open to the network")
     if args.link_delay_ms < 0:
         raise CliError("--link-delay-ms must not be negative")
+    if args.spec_k is not None and not args.draft:
+        raise CliError("--spec-k needs --draft (a draft model, NAME+lookup, or lookup)")
     model = ModelStore().resolve(args.model)
     cfg = ServeConfig(
         nodes=args.nodes,
@@ -386,8 +388,6 @@ def _serve(args: argparse.Namespace) -> int:
         draft_weights=args.draft_weights,
         spec_k=args.spec_k,
     )
-    if args.spec_k is not None and not args.draft:
-        raise CliError("--spec-k needs --draft (a draft model or lookup)")
     run_coordinator(cfg)
     return 0
 

@@ -121,7 +121,10 @@ class SpecStats:
             k = max(k, min(2, cap))  # nothing measured about speculation yet: try it once
         if (k > 0) != self._speculating:
             self._speculating = k > 0
-            self._probe_every, self._since_probe = 8, 0  # the choice flipped: watch closely again
+            # the choice flipped: watch closely again. A plain probe while speculating gives up a
+            # whole round's worth of tokens, a short speculative probe costs little: probe
+            # plain less often.
+            self._probe_every, self._since_probe = (32 if k > 0 else 8), 0
         self._since_probe += 1
         if self._since_probe >= self._probe_every:
             # try the other side once; probe less often while the choice holds

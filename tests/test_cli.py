@@ -29,6 +29,9 @@ from tests.conftest import run_cli
         (["models", "pull", "smollm2-135m", "--find-links", "/nonexistent"], "not a directory"),
         (["models", "import", "/nonexistent/dir"], "does not exist"),
         (["bench", "parity", "--runs", "0"], "expected a positive integer"),
+        (["bench", "spec", "--k", "auto,x"], "--k takes auto or numbers"),
+        (["serve", "--nodes", "127.0.0.1:7700", "--spec-k", "3"], "--spec-k needs --draft"),
+        (["serve", "--nodes", "127.0.0.1:7700", "--draft", "lookup", "--spec-k", "many"], "expected auto or a number"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
     ],
 )

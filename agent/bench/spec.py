@@ -192,13 +192,13 @@ async def _measure(
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    ks = parse_ks(args.k)
     quiet = bool(args.json)
     store = ModelStore()
     target = store.resolve(args.target, quiet=quiet)
     spec = REGISTRY.get(target.name)
     weights = args.weights or (spec.default_weights if spec else "int4")
     draft = None if args.draft == "lookup" else store.resolve(args.draft.removesuffix("+lookup"), quiet=quiet)
-    ks = parse_ks(args.k)
     n, s = args.stages, args.streams
     avail = sorted(os.sched_getaffinity(0))
     c = args.cores_per_node or max(1, len(avail) // n)
