@@ -1,0 +1,3 @@
+"""lakeshard: pool idle office laptops into one LLM."""
+
+__version__ = "0.1.0"

@@ -124,14 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--threads", type=_positive_int, help="CPU inference threads")
     gen.add_argument("--stats", action="store_true", help="print speed figures to stderr")
 
-    ag = sub.add_parser("agent", help="run this machine's agent: serve a pipeline stage over websockets")
-    ag.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces)")
-    ag.add_argument("--port", type=_port, default=7700)
-    ag.add_argument("--device", default="AUTO", help="AUTO (GPU if present, else CPU), CPU, GPU or NPU")
-    ag.add_argument("--threads", type=_positive_int, help="CPU inference threads")
-    ag.add_argument(
-        "--spin-ms", type=float, default=50.0, help="keep the core busy this long after a step while streams run"
-    )
+    from agent.cli_agent import add_parsers
+
+    add_parsers(sub, _port, _positive_int)
 
     sv = sub.add_parser("serve", help="coordinate a pipeline over agents and serve the OpenAI-compatible API")
     sv.add_argument("--nodes", required=True, type=_nodes, help="agents as host:port,host:port,... in stage order")
@@ -198,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     me.add_argument("--prompt-tokens", type=_positive_int, default=1024)
     me.add_argument("--random-weights", action="store_true")
     me.add_argument("--json", action="store_true")
+    el = bsub.add_parser("election", help="coordinator failover and discovery times (root: network namespaces)")
+    el.add_argument("--nodes", type=_positive_int, default=4)
+    el.add_argument("--trials", type=_positive_int, default=10)
+    el.add_argument("--json", action="store_true")
     sp = bsub.add_parser("spec", help="speculative vs plain decoding through a pipeline, with rollback costs")
     sp.add_argument("--target", default="smollm2-135m")
     sp.add_argument("--draft", default="lookup", help="a draft model with the target's tokenizer, or lookup")
@@ -257,14 +256,13 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _export(args)
     if args.cmd == "generate":
         return _generate(args)
-    if args.cmd == "agent":
-        from agent.runtime.device import choose_device
-        from agent.server import run_agent
+    if args.cmd in ("agent", "status"):
+        from agent.cli_agent import AgentCliError, run_agent, run_status
 
-        choose_device(args.device)
-        print(f"lakeshard agent listening on {args.host}:{args.port}", flush=True)
-        run_agent(args.host, args.port, device=args.device, threads=args.threads, spin_ms=max(0.0, args.spin_ms))
-        return 0
+        try:
+            return run_agent(args) if args.cmd == "agent" else run_status(args)
+        except AgentCliError as e:
+            raise CliError(str(e)) from None
     if args.cmd == "serve":
         return _serve(args)
     if args.cmd == "chat":

@@ -30,6 +30,14 @@ def config_dir() -> Path:
     return p
 
 
+def state_dir() -> Path:
+    """Small persistent state: the node id, the election term."""
+    h = _home()
+    p = h / "state" if h else Path(platformdirs.user_state_dir(APP))
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
 def log_dir() -> Path:
     h = _home()
     p = h / "logs" if h else Path(platformdirs.user_log_dir(APP))

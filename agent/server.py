@@ -12,13 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from agent.aio import new_event_loop
 from agent.link import HEARTBEAT_S, Link
 from agent.protocol import MAX_FRAME, Assign, Close, Error, Fwd, ProtocolError, decode, encode
 from agent.stage_host import Output, StageHost
@@ -163,13 +162,19 @@ async def _on_frame(rt: AgentRuntime, ws: web.WebSocketResponse, data: bytes) ->
         await rt.report(ProtocolError("internal", str(e)), ws)
 
 
+StatusFn = Callable[[], dict[str, Any]]
+STATUS: web.AppKey[StatusFn] = web.AppKey("status")
+
+
 async def node_handler(request: web.Request) -> web.Response:
-    return web.json_response(request.app[HOST].status())
+    return web.json_response(request.app[STATUS]())
 
 
-def make_app(host: StageHost) -> web.Application:
+def make_app(host: StageHost, status: Callable[[], dict[str, Any]] | None = None) -> web.Application:
+    """The public app: the stage websocket and a read-only ``/v1/node`` (``status`` or the stage's)."""
     app = web.Application(client_max_size=MAX_FRAME)
     app[HOST] = host
+    app[STATUS] = status or host.status
     app.router.add_get("/ws", ws_handler)
     app.router.add_get("/v1/node", node_handler)
 
@@ -181,8 +186,3 @@ def make_app(host: StageHost) -> web.Application:
 
     app.cleanup_ctx.append(runtime_ctx)
     return app
-
-
-def run_agent(host: str, port: int, device: str = "AUTO", threads: int | None = None, spin_ms: float = 50.0) -> None:
-    app = make_app(StageHost(device=device, threads=threads, spin_ms=spin_ms))
-    web.run_app(app, host=host, port=port, print=None, loop=new_event_loop())

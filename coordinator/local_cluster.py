@@ -52,6 +52,7 @@ class LocalCluster:
         for i in range(self.n):
             port = free_port()
             cmd = [sys.executable, "-m", "agent", "agent", "--host", "127.0.0.1", "--port", str(port)]
+            cmd += ["--standalone", "--api-port", "0"]
             threads = self.threads or (len(self.cores[i]) if self.cores else None)
             if threads:
                 cmd += ["--threads", str(threads)]

@@ -1,0 +1,156 @@
+"""``lakeshard agent`` (the daemon) and ``lakeshard status`` (a table of what the local agent sees)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+
+class AgentCliError(Exception):
+    pass
+
+
+def add_parsers(sub: Any, port_type: Any, positive_int: Any) -> None:
+    ag = sub.add_parser("agent", help="run this machine's agent: discovery, election, and a pipeline stage")
+    ag.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces)")
+    ag.add_argument("--port", type=port_type, help="data port, TCP and UDP (default: settings, else 7700)")
+    ag.add_argument("--api-port", type=port_type, help="local status API port on 127.0.0.1 (default 7701; 0: any)")
+    ag.add_argument("--config", type=Path, help="settings file (default: config.yaml in the config folder)")
+    ag.add_argument("--cluster", help="cluster id (default: settings, else 'default')")
+    ag.add_argument("--static-peers", help="host:port,... to reach where multicast is blocked")
+    ag.add_argument("--no-mdns", action="store_true", help="do not use multicast DNS (static peers only)")
+    ag.add_argument(
+        "--standalone", action="store_true", help="no discovery or election: serve the stage a 'serve' command assigns"
+    )
+    ag.add_argument("--device", default="AUTO", help="AUTO (GPU if present, else CPU), CPU, GPU or NPU")
+    ag.add_argument("--threads", type=positive_int, help="CPU inference threads")
+    ag.add_argument(
+        "--spin-ms", type=float, default=50.0, help="keep the core busy this long after a step while streams run"
+    )
+    st = sub.add_parser("status", help="show this node, its peers and the coordinator, as the local agent sees them")
+    st.add_argument("--api-port", type=port_type, default=None, help="the local agent's status API port")
+    st.add_argument("--json", action="store_true", help="print the raw JSON of /v1/node and /v1/cluster")
+
+
+def run_agent(args: argparse.Namespace) -> int:
+    from agent.config import ConfigError, check_cluster_id, load, parse_peer
+
+    try:
+        settings = load(args.config)
+        peers = None
+        if args.static_peers:
+            peers = tuple(parse_peer(p.strip(), "--static-peers") for p in args.static_peers.split(",") if p.strip())
+        settings = settings.with_overrides(
+            port=args.port,
+            api_port=args.api_port,
+            cluster_id=check_cluster_id(args.cluster) if args.cluster else None,
+            static_peers=peers,
+            mdns=False if args.no_mdns else None,
+        )
+    except ConfigError as e:
+        raise AgentCliError(str(e)) from None
+    from agent.daemon import DaemonOptions, run_daemon
+    from agent.identity import StateError
+    from agent.runtime.device import choose_device
+
+    choose_device(args.device)
+    opts = DaemonOptions(
+        host=args.host,
+        device=args.device,
+        threads=args.threads,
+        spin_ms=max(0.0, args.spin_ms),
+        standalone=args.standalone,
+    )
+    try:
+        run_daemon(settings, opts)
+    except (StateError, OSError) as e:
+        raise AgentCliError(str(e)) from None
+    return 0
+
+
+def _get(port: int, path: str) -> dict[str, Any]:
+    url = f"http://127.0.0.1:{port}{path}"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            data: dict[str, Any] = json.loads(r.read())
+            return data
+    except (urllib.error.URLError, OSError) as e:
+        raise AgentCliError(f"no agent answers on 127.0.0.1:{port} ({e}); start one with 'lakeshard agent'") from None
+
+
+def _gb(v: Any) -> str:
+    return "-" if v is None else f"{v / 1024**3:.1f} GB"
+
+
+def run_status(args: argparse.Namespace) -> int:
+    port = args.api_port
+    if port is None:
+        from agent.config import ConfigError, load
+
+        try:
+            port = load().api_port
+        except ConfigError as e:
+            raise AgentCliError(str(e)) from None
+    node, cluster = _get(port, "/v1/node"), _get(port, "/v1/cluster")
+    if args.json:
+        print(json.dumps({"node": node, "cluster": cluster}, indent=2))
+        return 0
+    print(format_status(node, cluster))
+    return 0
+
+
+def format_status(node: dict[str, Any], cluster: dict[str, Any]) -> str:
+    coord = cluster.get("coordinator") or "none (election in progress)"
+    lines = [
+        f"node {node['node']} in cluster {node['cluster']}: {node['role']}, {node['state']}; "
+        f"term {cluster.get('term', 0)}, coordinator {coord}",
+    ]
+    if node.get("role") == "standalone":
+        lines.append("standalone: no discovery or election")
+    why = cluster.get("not_eligible_because")
+    if why:
+        lines.append(f"this node does not stand for coordinator: {why}")
+    head = ("NODE", "ADDRESS", "ROLE", "TERM", "STATE", "STANDS", "SPEED", "FREE MEM", "DEVICES", "HEARD")
+    rows = [
+        (
+            f"{node['node']} (this)",
+            f"*:{node['port']}",
+            node["role"],
+            str(cluster.get("term", 0)),
+            node["state"],
+            "yes" if cluster.get("eligible") else "no",
+            f"{node['speed_score']:.0f}",
+            _gb(node["mem_free"]),
+            ",".join(node["devices"]),
+            "-",
+        )
+    ]
+    for p in cluster.get("peers", []):
+        heard = p["last_heard_s"]
+        rows.append(
+            (
+                p["node"],
+                p["address"],
+                (p["role"] or "?") if p["alive"] else "gone",
+                str(p["term"] if p["term"] is not None else "-"),
+                p["state"] or "-",
+                {True: "yes", False: "no", None: "-"}[p["eligible"]],
+                "-" if p["score"] is None else f"{p['score']:.0f}",
+                _gb(p["mem_free"]),
+                ",".join(p["devices"]) or "-",
+                "never" if heard is None else f"{heard:.1f}s ago",
+            )
+        )
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    for r in [head, *rows]:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    hist = cluster.get("history", [])
+    if hist:
+        last = hist[-1]
+        lines.append(f"coordinator since {time.strftime('%H:%M:%S', time.localtime(last['at']))} (term {last['term']})")
+    return "\n".join(lines)

@@ -1,0 +1,146 @@
+"""The agent's settings file (``config.yaml`` in the platformdirs config folder), validated.
+
+Every key is optional; a bad value is a :class:`ConfigError` naming the key, never a crash
+halfway through start-up. Example::
+
+    cluster_id: office-3f
+    port: 7700          # data plane (TCP) and peer messages (UDP)
+    api_port: 7701      # local status API, 127.0.0.1 only
+    discovery:
+      mdns: true
+      static_peers: ["10.0.0.21:7700"]   # where multicast is blocked
+    election:
+      preferred: ["3f2a..."]             # node ids an admin pins as coordinator, best first
+      exclude: ["9c1d..."]               # node ids that must never coordinate
+      min_coordinator_memory_gb: 2.0
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from agent.paths import config_dir
+
+CLUSTER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Settings:
+    cluster_id: str = "default"
+    port: int = 7700
+    api_port: int = 7701
+    mdns: bool = True
+    static_peers: tuple[tuple[str, int], ...] = ()
+    preferred: tuple[str, ...] = ()
+    exclude: frozenset[str] = field(default_factory=frozenset)
+    min_coordinator_memory: int = 2 * 1024**3
+    interface: str | None = None  # the address to advertise (default: every interface's)
+
+    def with_overrides(self, **kw: Any) -> Settings:
+        return replace(self, **{k: v for k, v in kw.items() if v is not None})
+
+
+def config_file() -> Path:
+    return config_dir() / "config.yaml"
+
+
+def parse_peer(v: Any, key: str = "static_peers") -> tuple[str, int]:
+    if not isinstance(v, str) or ":" not in v:
+        raise ConfigError(f"{key}: {v!r} is not host:port")
+    host, _, port = v.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"{key}: {v!r} is not host:port")
+    return host, int(port)
+
+
+def check_cluster_id(v: Any) -> str:
+    if not isinstance(v, str) or not CLUSTER_RE.match(v):
+        raise ConfigError(f"cluster_id: {v!r} must be 1-64 letters, digits, '.', '_' or '-'")
+    return v
+
+
+def _port(d: dict[str, Any], key: str, default: int) -> int:
+    v = d.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 65535:
+        raise ConfigError(f"{key}: {v!r} is not a port number")
+    return v
+
+
+def _nodes(v: Any, key: str) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, list) or not all(isinstance(x, str) and NODE_RE.match(x) for x in v):
+        raise ConfigError(f"{key}: must be a list of node ids")
+    return tuple(v)
+
+
+def _section(d: dict[str, Any], key: str) -> dict[str, Any]:
+    v = d.get(key) or {}
+    if not isinstance(v, dict):
+        raise ConfigError(f"{key}: must be a mapping")
+    return v
+
+
+KNOWN = {"cluster_id", "port", "api_port", "discovery", "election", "interface"}
+
+
+def parse(d: Any) -> Settings:
+    if d is None:
+        return Settings()
+    if not isinstance(d, dict):
+        raise ConfigError("the settings file must hold a mapping of keys")
+    unknown = set(d) - KNOWN
+    if unknown:
+        raise ConfigError(f"unknown setting(s): {', '.join(sorted(map(str, unknown)))}")
+    disc, elec = _section(d, "discovery"), _section(d, "election")
+    mdns = disc.get("mdns", True)
+    if not isinstance(mdns, bool):
+        raise ConfigError("discovery.mdns: must be true or false")
+    peers = disc.get("static_peers") or []
+    if not isinstance(peers, list):
+        raise ConfigError("discovery.static_peers: must be a list of host:port")
+    mem = elec.get("min_coordinator_memory_gb", 2.0)
+    if isinstance(mem, bool) or not isinstance(mem, int | float) or not 0 <= mem <= 4096:
+        raise ConfigError(f"election.min_coordinator_memory_gb: {mem!r} is not a size in GB")
+    iface = d.get("interface")
+    if iface is not None and not isinstance(iface, str):
+        raise ConfigError("interface: must be an IP address")
+    return Settings(
+        cluster_id=check_cluster_id(d.get("cluster_id", "default")),
+        port=_port(d, "port", 7700),
+        api_port=_port(d, "api_port", 7701),
+        mdns=mdns,
+        static_peers=tuple(parse_peer(p, "discovery.static_peers") for p in peers),
+        preferred=_nodes(elec.get("preferred"), "election.preferred"),
+        exclude=frozenset(_nodes(elec.get("exclude"), "election.exclude")),
+        min_coordinator_memory=int(mem * 1024**3),
+        interface=iface,
+    )
+
+
+def load(path: Path | None = None) -> Settings:
+    """The settings in ``path`` (default: the user's config file; absent means defaults)."""
+    p = path or config_file()
+    if not p.exists():
+        if path is not None:
+            raise ConfigError(f"{p}: no such settings file")
+        return Settings()
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"{p}: cannot read settings: {e}") from None
+    try:
+        return parse(data)
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None

@@ -1,0 +1,47 @@
+"""Every wire and control message, typed and frozen, in one package, with the frame codec.
+
+``codec``: the frame format, field checks and the type registry; ``data``: the ring's
+messages (fwd, ids, close, error, assign); ``control``: agent-to-agent beats and votes.
+"""
+
+from agent.protocol.codec import (
+    DTYPES,
+    MAGIC,
+    MAX_FRAME,
+    MAX_HEADER,
+    MAX_TOKENS_PER_FRAME,
+    REGISTRY,
+    VERSION,
+    Message,
+    ProtocolError,
+    decode,
+    encode,
+)
+from agent.protocol.control import Ack, Beat, Vote, VoteRequest
+from agent.protocol.data import Assign, Assigned, Close, Error, Fwd, Ids, SamplingSpec, tensor
+
+__all__ = [
+    "DTYPES",
+    "MAGIC",
+    "MAX_FRAME",
+    "MAX_HEADER",
+    "MAX_TOKENS_PER_FRAME",
+    "REGISTRY",
+    "VERSION",
+    "Ack",
+    "Assign",
+    "Assigned",
+    "Beat",
+    "Close",
+    "Error",
+    "Fwd",
+    "Ids",
+    "Message",
+    "ProtocolError",
+    "SamplingSpec",
+    "Vote",
+    "VoteRequest",
+    "decode",
+    "encode",
+    "tensor",
+]

@@ -1,0 +1,139 @@
+"""The frame codec, the field checks and the message registry (messages: ``data``, ``control``).
+
+A frame is one binary websocket message::
+
+    b"LS" | version (u8) | header length (u32 little-endian) | msgpack header | payload
+
+The header is a msgpack map with ``"t"`` (the message type) and that type's fields; the
+payload is raw tensor bytes (token ids or hidden states), described by the header. Every
+field is checked on receipt: a frame that fails any check raises :class:`ProtocolError`,
+which the receiver answers with an :class:`Error` frame and otherwise ignores. Peer control
+messages (beats, votes) use the same frames, one per UDP datagram.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import msgpack
+import numpy as np
+
+MAGIC = b"LS"
+VERSION = 1
+_PREFIX = struct.Struct("<2sBI")
+MAX_HEADER = 64 * 1024
+MAX_TOKENS_PER_FRAME = 32768
+MAX_FRAME = 256 * 1024 * 1024  # websocket max_msg_size on every link
+
+DTYPES: dict[str, np.dtype[Any]] = {
+    "i32": np.dtype("<i4"),
+    "i64": np.dtype("<i8"),
+    "f16": np.dtype("<f2"),
+    "f32": np.dtype("<f4"),
+}
+
+
+class ProtocolError(ValueError):
+    """A frame that cannot be accepted. ``code`` is a stable machine-readable reason."""
+
+    def __init__(self, code: str, message: str, stream: str | None = None, seq: int | None = None) -> None:
+        super().__init__(message)
+        self.code, self.stream, self.seq = code, stream, seq
+
+
+# ---- field checks -------------------------------------------------------------------------
+
+
+def int_field(v: Any, name: str, lo: int = 0, hi: int = 2**62) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not (lo <= v <= hi):
+        raise ProtocolError("bad_field", f"{name} must be an integer in {lo}..{hi}, got {v!r}")
+    return v
+
+
+def float_field(v: Any, name: str, lo: float, hi: float) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not (lo <= float(v) <= hi):
+        raise ProtocolError("bad_field", f"{name} must be a number in {lo}..{hi}, got {v!r}")
+    return float(v)
+
+
+def str_field(v: Any, name: str, max_len: int = 256) -> str:
+    if not isinstance(v, str) or not (0 < len(v) <= max_len):
+        raise ProtocolError("bad_field", f"{name} must be a non-empty string of at most {max_len} characters")
+    return v
+
+
+def opt_str_field(v: Any, name: str, max_len: int = 2048) -> str | None:
+    return None if v is None else str_field(v, name, max_len)
+
+
+def int_list_field(v: Any, name: str, max_len: int = MAX_TOKENS_PER_FRAME) -> tuple[int, ...]:
+    if not isinstance(v, list | tuple) or len(v) > max_len:
+        raise ProtocolError("bad_field", f"{name} must be a list of at most {max_len} integers")
+    return tuple(int_field(x, name, 0, 2**31) for x in v)
+
+
+# ---- the message base and registry -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Message:
+    TYPE: ClassVar[str] = ""
+
+    def header(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["t"] = self.TYPE
+        return d
+
+    @classmethod
+    def parse(cls, h: dict[str, Any]) -> Message:
+        raise NotImplementedError
+
+
+
+REGISTRY: dict[str, type[Message]] = {}
+
+
+def register(*kinds: type[Message]) -> None:
+    for k in kinds:
+        if k.TYPE in REGISTRY:
+            raise ValueError(f"message type {k.TYPE!r} registered twice")
+        REGISTRY[k.TYPE] = k
+
+
+# ---- codec -----------------------------------------------------------------------------
+
+
+def encode(msg: Message, payload: bytes | memoryview | np.ndarray = b"") -> bytes:
+    if isinstance(payload, np.ndarray):
+        payload = np.ascontiguousarray(payload).tobytes()
+    head = msgpack.packb(msg.header(), use_bin_type=True)
+    return bytes(_PREFIX.pack(MAGIC, VERSION, len(head)) + head + bytes(payload))
+
+
+def decode(frame: bytes) -> tuple[Message, memoryview]:
+    """Parse and validate a frame; returns the message and its payload (zero-copy view)."""
+    if not isinstance(frame, bytes | bytearray | memoryview):
+        raise ProtocolError("bad_frame", "frames must be binary")
+    if len(frame) < _PREFIX.size:
+        raise ProtocolError("bad_frame", f"frame of {len(frame)} bytes is shorter than its prefix")
+    magic, version, hlen = _PREFIX.unpack_from(frame)
+    if magic != MAGIC:
+        raise ProtocolError("bad_frame", "not a lakeshard frame (bad magic)")
+    if version != VERSION:
+        raise ProtocolError("bad_version", f"protocol version {version} is not supported (this is {VERSION})")
+    if hlen > MAX_HEADER or _PREFIX.size + hlen > len(frame):
+        raise ProtocolError("bad_frame", f"declared header of {hlen} bytes does not fit the frame")
+    try:
+        h = msgpack.unpackb(bytes(frame[_PREFIX.size : _PREFIX.size + hlen]), raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise ProtocolError("bad_frame", f"header is not valid msgpack: {e}") from None
+    if not isinstance(h, dict):
+        raise ProtocolError("bad_frame", "header must be a map")
+    kind = REGISTRY.get(h.get("t"))  # type: ignore[arg-type]
+    if kind is None:
+        raise ProtocolError("unknown_type", f"unknown message type {h.get('t')!r}")
+    msg = kind.parse(h)
+    return msg, memoryview(frame)[_PREFIX.size + hlen :]
+

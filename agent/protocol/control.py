@@ -1,0 +1,179 @@
+"""Control-plane messages between agents: beats, acknowledgements and votes (one per UDP datagram)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from agent.protocol.codec import (
+    Message,
+    ProtocolError,
+    float_field,
+    int_field,
+    opt_str_field,
+    register,
+    str_field,
+)
+
+ROLES = ("follower", "candidate", "coordinator")
+STATES = ("available", "limited", "paused")
+ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+KIND_RE = re.compile(r"^[A-Z][A-Z0-9_]{0,15}$")
+MAX_SCORE = 1e7  # GFLOP/s; anything above is a forgery or a bug
+MAX_MEM = 1 << 50  # 1 PiB
+
+
+def id_field(v: Any, name: str) -> str:
+    if not isinstance(v, str) or not ID_RE.match(v):
+        raise ProtocolError("bad_field", f"{name} must be an id of 1-64 letters, digits, '.', '_' or '-'")
+    return v
+
+
+def opt_id_field(v: Any, name: str) -> str | None:
+    return None if v is None else id_field(v, name)
+
+
+def bool_field(v: Any, name: str) -> bool:
+    if not isinstance(v, bool):
+        raise ProtocolError("bad_field", f"{name} must be true or false")
+    return v
+
+
+def choice_field(v: Any, name: str, options: tuple[str, ...]) -> str:
+    if v not in options:
+        raise ProtocolError("bad_field", f"{name} must be one of {', '.join(options)}, got {v!r}")
+    return str(v)
+
+
+def kinds_field(v: Any, name: str) -> tuple[str, ...]:
+    if not isinstance(v, list | tuple) or len(v) > 16 or not all(isinstance(k, str) and KIND_RE.match(k) for k in v):
+        raise ProtocolError("bad_field", f"{name} must be a list of at most 16 device kinds")
+    return tuple(v)
+
+
+@dataclass(frozen=True)
+class Beat(Message):
+    """Every node to every peer, every beat interval: "I am alive, and this is what I offer".
+
+    A coordinator's beat is also a command ("I coordinate term ``term``"): the receiver
+    admits or refuses it and answers with an :class:`Ack`.
+    """
+
+    TYPE: ClassVar[str] = "beat"
+    cluster: str
+    node: str
+    port: int
+    term: int
+    role: str
+    leader: str | None
+    state: str
+    eligible: bool
+    score: float
+    mem_free: int
+    mem_total: int
+    devices: tuple[str, ...]
+    version: str
+    followers: int = 0
+
+    def header(self) -> dict[str, Any]:
+        d = super().header()
+        d["devices"] = list(self.devices)
+        return d
+
+    @classmethod
+    def parse(cls, h: dict[str, Any]) -> Beat:
+        mem_total = int_field(h.get("mem_total"), "mem_total", 0, MAX_MEM)
+        return Beat(
+            cluster=id_field(h.get("cluster"), "cluster"),
+            node=id_field(h.get("node"), "node"),
+            port=int_field(h.get("port"), "port", 1, 65535),
+            term=int_field(h.get("term"), "term"),
+            role=choice_field(h.get("role"), "role", ROLES),
+            leader=opt_id_field(h.get("leader"), "leader"),
+            state=choice_field(h.get("state"), "state", STATES),
+            eligible=bool_field(h.get("eligible"), "eligible"),
+            score=float_field(h.get("score"), "score", 0.0, MAX_SCORE),
+            mem_free=int_field(h.get("mem_free"), "mem_free", 0, mem_total),
+            mem_total=mem_total,
+            devices=kinds_field(h.get("devices"), "devices"),
+            version=str_field(h.get("version"), "version", 32),
+            followers=int_field(h.get("followers", 0), "followers", 0, 1 << 16),
+        )
+
+
+@dataclass(frozen=True)
+class Ack(Message):
+    """The answer to a coordinator's beat: admitted, or refused with a reason (``code``)."""
+
+    TYPE: ClassVar[str] = "ack"
+    cluster: str
+    node: str
+    term: int  # the receiver's term after handling the beat
+    leader: str | None  # the coordinator the receiver follows
+    accepted: bool
+    code: str | None = None
+    message: str | None = None
+
+    @classmethod
+    def parse(cls, h: dict[str, Any]) -> Ack:
+        return Ack(
+            cluster=id_field(h.get("cluster"), "cluster"),
+            node=id_field(h.get("node"), "node"),
+            term=int_field(h.get("term"), "term"),
+            leader=opt_id_field(h.get("leader"), "leader"),
+            accepted=bool_field(h.get("accepted"), "accepted"),
+            code=opt_str_field(h.get("code"), "code", 64),
+            message=opt_str_field(h.get("message"), "message", 500),
+        )
+
+
+@dataclass(frozen=True)
+class VoteRequest(Message):
+    TYPE: ClassVar[str] = "vote_request"
+    cluster: str
+    node: str  # the candidate
+    port: int
+    term: int
+    eligible: bool
+    score: float
+    mem_free: int
+
+    @classmethod
+    def parse(cls, h: dict[str, Any]) -> VoteRequest:
+        return VoteRequest(
+            cluster=id_field(h.get("cluster"), "cluster"),
+            node=id_field(h.get("node"), "node"),
+            port=int_field(h.get("port"), "port", 1, 65535),
+            term=int_field(h.get("term"), "term", 1),
+            eligible=bool_field(h.get("eligible"), "eligible"),
+            score=float_field(h.get("score"), "score", 0.0, MAX_SCORE),
+            mem_free=int_field(h.get("mem_free"), "mem_free", 0, MAX_MEM),
+        )
+
+
+@dataclass(frozen=True)
+class Vote(Message):
+    TYPE: ClassVar[str] = "vote"
+    cluster: str
+    node: str  # the voter
+    term: int  # the term voted in
+    voter_term: int  # the voter's term after handling the request
+    granted: bool
+    code: str | None = None
+    message: str | None = None
+
+    @classmethod
+    def parse(cls, h: dict[str, Any]) -> Vote:
+        return Vote(
+            cluster=id_field(h.get("cluster"), "cluster"),
+            node=id_field(h.get("node"), "node"),
+            term=int_field(h.get("term"), "term", 1),
+            voter_term=int_field(h.get("voter_term"), "voter_term"),
+            granted=bool_field(h.get("granted"), "granted"),
+            code=opt_str_field(h.get("code"), "code", 64),
+            message=opt_str_field(h.get("message"), "message", 500),
+        )
+
+
+register(Beat, Ack, VoteRequest, Vote)

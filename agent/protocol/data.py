@@ -1,0 +1,251 @@
+"""Data-plane messages: what travels along the ring (and the assignment that sets it up)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from agent.protocol.codec import (
+    DTYPES,
+    MAX_TOKENS_PER_FRAME,
+    Message,
+    ProtocolError,
+    float_field,
+    int_field,
+    int_list_field,
+    opt_str_field,
+    register,
+    str_field,
+)
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def to_list(self) -> list[float | int]:
+        return [self.temperature, self.top_p, self.seed]
+
+    @staticmethod
+    def from_list(v: Any) -> SamplingSpec:
+        if not isinstance(v, list | tuple) or len(v) != 3:
+            raise ProtocolError("bad_field", "sampling must be [temperature, top_p, seed]")
+        t = float_field(v[0], "temperature", 0.0, 100.0)
+        p = float_field(v[1], "top_p", 1e-6, 1.0)
+        return SamplingSpec(t, p, int_field(v[2], "seed", 0, 2**63 - 1))
+
+
+@dataclass(frozen=True)
+class Fwd(Message):
+    """Run ``n`` new positions of ``stream`` through the stage; the payload is ids or hidden states.
+
+    ``start`` resets the stream (a new request); ``rollback`` first disables that many of the
+    stream's last KV slots (rejected speculative tokens). ``logits`` lists which of the n
+    positions the last stage turns into tokens (empty: the last one).
+    """
+
+    TYPE: ClassVar[str] = "fwd"
+    term: int
+    stream: str
+    seq: int
+    n: int
+    dtype: str
+    start: bool = False
+    rollback: int = 0
+    logits: tuple[int, ...] = ()
+    sampling: SamplingSpec = field(default_factory=SamplingSpec)
+    sent_at: float = 0.0
+    ret_logits: bool = False  # the "naive" design: the last stage sends logits, not ids
+
+    def header(self) -> dict[str, Any]:
+        d = super().header()
+        d["logits"] = list(self.logits)
+        d["sampling"] = self.sampling.to_list()
+        return d
+
+    @classmethod
+    def parse(cls, h: dict[str, Any]) -> Fwd:
+        stream = str_field(h.get("stream"), "stream", 128)
+        seq = int_field(h.get("seq"), "seq")
+        try:
+            dtype = h.get("dtype")
+            if dtype not in DTYPES:
+                raise ProtocolError("bad_dtype", f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+            n = int_field(h.get("n"), "n", 1, MAX_TOKENS_PER_FRAME)
+            logits = int_list_field(h.get("logits", []), "logits")
+            if any(i >= n for i in logits):
+                raise ProtocolError("bad_field", f"logits positions must lie in 0..{n - 1}")
+            start = h.get("start", False)
+            ret_logits = h.get("ret_logits", False)
+            if not isinstance(start, bool) or not isinstance(ret_logits, bool):
+                raise ProtocolError("bad_field", "start and ret_logits must be true or false")
+            return Fwd(
+                term=int_field(h.get("term"), "term"),
+                stream=stream,
+                seq=seq,
+                n=n,
+                dtype=dtype,
+                start=start,
+                rollback=int_field(h.get("rollback", 0), "rollback", 0, 1 << 20),
+                logits=logits,
+                sampling=SamplingSpec.from_list(h.get("sampling", [0.0, 1.0, 0])),
+                sent_at=float_field(h.get("sent_at", 0.0), "sent_at", 0.0, 1e12),
+                ret_logits=ret_logits,
+            )
+        except ProtocolError as e:
+            e.stream, e.seq = stream, seq
+            raise
+
+
+@dataclass(frozen=True)
+class Ids(Message):
+    """The last stage's chosen tokens for a ``Fwd`` (one per requested position).
+
+    With ``ret_logits`` on the Fwd, ``tokens`` is empty and the payload holds ``rows`` x
+    ``vocab`` float32 logits instead (the naive design, kept for the WAN comparison).
+    """
+
+    TYPE: ClassVar[str] = "ids"
+    term: int
+    stream: str
+    seq: int
+    tokens: tuple[int, ...]
+    sent_at: float = 0.0
+    rows: int = 0
+    vocab: int = 0
+
+    def header(self) -> dict[str, Any]:
+        d = super().header()
+        d["tokens"] = list(self.tokens)
+        return d
+
+    @classmethod
+    def parse(cls, h: dict[str, Any]) -> Ids:
+        return Ids(
+            term=int_field(h.get("term"), "term"),
+            stream=str_field(h.get("stream"), "stream", 128),
+            seq=int_field(h.get("seq"), "seq"),
+            tokens=int_list_field(h.get("tokens"), "tokens"),
+            sent_at=float_field(h.get("sent_at", 0.0), "sent_at", 0.0, 1e12),
+            rows=int_field(h.get("rows", 0), "rows", 0, MAX_TOKENS_PER_FRAME),
+            vocab=int_field(h.get("vocab", 0), "vocab", 0, 1 << 24),
+        )
+
+
+@dataclass(frozen=True)
+class Close(Message):
+    """Forget a stream (its KV state is released); forwarded along the ring."""
+
+    TYPE: ClassVar[str] = "close"
+    term: int
+    stream: str
+
+    @classmethod
+    def parse(cls, h: dict[str, Any]) -> Close:
+        return Close(term=int_field(h.get("term"), "term"), stream=str_field(h.get("stream"), "stream", 128))
+
+
+@dataclass(frozen=True)
+class Error(Message):
+    TYPE: ClassVar[str] = "error"
+    code: str
+    message: str
+    stream: str | None = None
+    seq: int | None = None
+    stage: int | None = None
+
+    @classmethod
+    def parse(cls, h: dict[str, Any]) -> Error:
+        seq = h.get("seq")
+        stage = h.get("stage")
+        return Error(
+            code=str_field(h.get("code"), "code", 64),
+            message=str(h.get("message", ""))[:2000],
+            stream=opt_str_field(h.get("stream"), "stream", 128),
+            seq=None if seq is None else int_field(seq, "seq"),
+            stage=None if stage is None else int_field(stage, "stage", 0, 4096),
+        )
+
+
+@dataclass(frozen=True)
+class Assign(Message):
+    """Coordinator -> agent: serve this stage of this export, send results to ``next_hop``."""
+
+    TYPE: ClassVar[str] = "assign"
+    term: int
+    export_id: str
+    stage: int
+    stages: int
+    manifest_sha256: str
+    artifacts_url: str  # HTTP base the stage files can be fetched from
+    local_dir: str | None  # where the files already are, if the agent shares the disk
+    next_hop: str  # ws URL of the next stage, or of the coordinator's return endpoint
+    wire_dtype: str = "f16"
+    exact: bool = False
+    link_delay_ms: float = 0.0
+    link_mbps: float = 0.0  # 0: unlimited
+
+    @classmethod
+    def parse(cls, h: dict[str, Any]) -> Assign:
+        wire = h.get("wire_dtype", "f16")
+        if wire not in ("f16", "f32"):
+            raise ProtocolError("bad_field", "wire_dtype must be f16 or f32")
+        stages = int_field(h.get("stages"), "stages", 1, 4096)
+        exact = h.get("exact", False)
+        if not isinstance(exact, bool):
+            raise ProtocolError("bad_field", "exact must be true or false")
+        return Assign(
+            term=int_field(h.get("term"), "term"),
+            export_id=str_field(h.get("export_id"), "export_id"),
+            stage=int_field(h.get("stage"), "stage", 0, stages - 1),
+            stages=stages,
+            manifest_sha256=str_field(h.get("manifest_sha256"), "manifest_sha256", 64),
+            artifacts_url=str_field(h.get("artifacts_url"), "artifacts_url", 2048),
+            local_dir=opt_str_field(h.get("local_dir"), "local_dir"),
+            next_hop=str_field(h.get("next_hop"), "next_hop", 2048),
+            wire_dtype=wire,
+            exact=exact,
+            link_delay_ms=float_field(h.get("link_delay_ms", 0.0), "link_delay_ms", 0.0, 60000.0),
+            link_mbps=float_field(h.get("link_mbps", 0.0), "link_mbps", 0.0, 1e6),
+        )
+
+
+@dataclass(frozen=True)
+class Assigned(Message):
+    TYPE: ClassVar[str] = "assigned"
+    term: int
+    stage: int
+    device: str
+    compile_s: float
+
+    @classmethod
+    def parse(cls, h: dict[str, Any]) -> Assigned:
+        return Assigned(
+            term=int_field(h.get("term"), "term"),
+            stage=int_field(h.get("stage"), "stage", 0, 4096),
+            device=str_field(h.get("device"), "device", 64),
+            compile_s=float_field(h.get("compile_s"), "compile_s", 0.0, 1e6),
+        )
+
+
+register(Fwd, Ids, Close, Error, Assign, Assigned)
+
+
+def tensor(fwd: Fwd, payload: memoryview, width: int) -> np.ndarray:
+    """The Fwd payload as an array of shape [1, n] (width 0: token ids) or [1, n, width]."""
+    dt = DTYPES[fwd.dtype]
+    shape = (1, fwd.n) if width == 0 else (1, fwd.n, width)
+    need = int(np.prod(shape)) * dt.itemsize
+    if len(payload) != need:
+        raise ProtocolError(
+            "bad_payload",
+            f"payload has {len(payload)} bytes; {fwd.n} positions of {fwd.dtype}"
+            f"{'' if width == 0 else f' x {width}'} need {need}",
+            fwd.stream,
+            fwd.seq,
+        )
+    return np.frombuffer(payload, dtype=dt).reshape(shape)

@@ -1,0 +1,127 @@
+"""The election's messaging on real loopback UDP sockets (static peers, no multicast, in one loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from agent.config import Settings
+from agent.elector import Elector, LocalNode
+from agent.identity import TermStore
+from agent.protocol import Ack, Beat, decode, encode
+
+GB = 1024**3
+
+
+def _ports(n: int) -> list[int]:
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _node(name: str, port: int, cluster: str = "t") -> LocalNode:
+    return LocalNode(name, cluster, port, "0.1.0", 16 * GB, lambda: 8 * GB, score=10.0)
+
+
+@pytest.fixture
+async def trio(tmp_path: Path) -> AsyncIterator[list[Elector]]:
+    ports = _ports(3)
+    peers = tuple(("127.0.0.1", p) for p in ports)
+    electors = []
+    for i, p in enumerate(ports):
+        st = Settings(cluster_id="t", port=p, mdns=False, static_peers=peers)
+        electors.append(Elector(_node(f"n{i}", p), st, TermStore(tmp_path / f"n{i}")))
+    for e in electors:
+        await e.async_start("127.0.0.1")
+    yield electors
+    for e in electors:
+        await e.async_shutdown()
+
+
+async def _until(cond: Callable[[], bool], timeout: float = 15.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        assert loop.time() < end, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+def _agreed(es: list[Elector]) -> str | None:
+    leaders = {e.leader() for e in es}
+    return leaders.pop() if len(leaders) == 1 and None not in leaders else None
+
+
+async def _ask(port: int, frame: bytes, wait: float = 2.0) -> bytes | None:
+    loop = asyncio.get_running_loop()
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setblocking(False)
+    s.bind(("127.0.0.1", 0))
+    try:
+        await loop.sock_sendto(s, frame, ("127.0.0.1", port))
+        return await asyncio.wait_for(loop.sock_recv(s, 65536), wait)
+    except TimeoutError:
+        return None
+    finally:
+        s.close()
+
+
+def _beat(cluster: str, node: str, term: int, role: str = "coordinator") -> bytes:
+    b = Beat(cluster, node, 9, term, role, node, "available", True, 1.0, GB, 2 * GB, ("CPU",), "0.1.0")
+    return encode(b)
+
+
+async def test_one_coordinator_then_failover_with_a_higher_term(trio: list[Elector]) -> None:
+    await _until(lambda: _agreed(trio) is not None)
+    first = _agreed(trio)
+    old = next(e for e in trio if e.me.node == first)
+    term = old.store.state.term
+    # a crash: no goodbye, the socket just goes quiet
+    assert old._task is not None and old._transport is not None
+    old._task.cancel()
+    old._transport.close()
+    rest = [e for e in trio if e is not old]
+    await _until(lambda: _agreed(rest) not in (None, first))
+    assert all(e.store.state.term > term for e in rest)
+    # each survivor admitted one coordinator per term
+    for e in rest:
+        seen: dict[int, str] = {}
+        for h in e.history:
+            assert seen.setdefault(h["term"], h["coordinator"]) == h["coordinator"]
+
+
+async def test_stale_and_foreign_commands_are_refused(trio: list[Elector]) -> None:
+    await _until(lambda: _agreed(trio) is not None)
+    follower = next(e for e in trio if e.role.value == "follower")
+    term = follower.store.state.term
+    reply = await _ask(follower.me.port, _beat("t", "usurper", term - 1))
+    assert reply is not None
+    ack, _ = decode(reply)
+    assert isinstance(ack, Ack) and not ack.accepted and ack.code == "stale_term" and ack.term == term
+    # a second coordinator in the same term is refused too
+    reply = await _ask(follower.me.port, _beat("t", "usurper", term))
+    ack2, _ = decode(reply or b"")
+    assert isinstance(ack2, Ack) and ack2.code == "term_conflict"
+    # garbage, and another cluster's beats: ignored (no reply), counted, nothing changes
+    dropped = follower.dropped
+    assert await _ask(follower.me.port, b"\x00garbage", wait=0.3) is None
+    assert await _ask(follower.me.port, _beat("other", "x", term + 5), wait=0.3) is None
+    assert follower.dropped == dropped + 2
+    assert "usurper" not in {h["coordinator"] for h in follower.history}
+    assert "x" not in follower.peers and _agreed(trio) is not None
+
+
+async def test_a_paused_coordinator_hands_over(trio: list[Elector]) -> None:
+    await _until(lambda: _agreed(trio) is not None)
+    first = _agreed(trio)
+    coord = next(e for e in trio if e.me.node == first)
+    coord.me.state = "paused"
+    await _until(lambda: _agreed(trio) not in (None, first))
+    assert coord.status()["not_eligible_because"] == "paused"
