@@ -32,6 +32,10 @@ from tests.conftest import run_cli
         (["bench", "spec", "--k", "auto,x"], "--k takes auto or numbers"),
         (["serve", "--nodes", "127.0.0.1:7700", "--spec-k", "3"], "--spec-k needs --draft"),
         (["serve", "--nodes", "127.0.0.1:7700", "--draft", "lookup", "--spec-k", "many"], "expected auto or a number"),
+        (["agent", "--cluster", "bad id!"], "cluster_id: 'bad id!' must be"),
+        (["agent", "--static-peers", "10.0.0.1"], "--static-peers: '10.0.0.1' is not host:port"),
+        (["agent", "--config", "/nonexistent/lakeshard.yaml"], "no such settings file"),
+        (["status", "--api-port", "1"], "no agent answers on 127.0.0.1:1"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
     ],
 )
@@ -45,5 +49,5 @@ def test_bad_arguments_get_a_clear_error(smollm2, args: list[str], message: str)
 def test_help_lists_the_subcommands() -> None:
     r = run_cli("--help")
     assert r.returncode == 0
-    for cmd in ("models", "export", "generate", "bench"):
+    for cmd in ("models", "export", "generate", "agent", "status", "bench"):
         assert cmd in r.stdout

@@ -120,7 +120,7 @@ def _node_streams(served: Served) -> list[int]:
     out = []
     for node in served.nodes:
         with urllib.request.urlopen(f"http://{node}/v1/node", timeout=5) as r:
-            out.append(json.loads(r.read())["streams"])
+            out.append(json.loads(r.read())["stage"]["streams"])
     return out
 
 

@@ -25,7 +25,7 @@ from coordinator.serve import Coordinator, ServeConfig
 
 def _node(node: str) -> dict[str, Any]:
     with urllib.request.urlopen(f"http://{node}/v1/node", timeout=10) as r:
-        result: dict[str, Any] = json.loads(r.read())
+        result: dict[str, Any] = json.loads(r.read())["stage"]
         return result
 
 
