@@ -185,6 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--prompt-tokens", type=_positive_int, default=32, help="prompt length with random weights")
     pl.add_argument("--runs", type=_positive_int, default=3)
     pl.add_argument("--random-weights", action="store_true", help="the model's shapes with random weights")
+    pl.add_argument(
+        "--ring-loop",
+        choices=["on", "off", "both"],
+        default="on",
+        help="plain decoding with the last stage feeding stage 0 itself (on), through the coordinator (off)",
+    )
     pl.add_argument("--json", action="store_true")
     me = bsub.add_parser("memory", help="what each extra stream costs a stage agent in memory")
     me.add_argument("--model", default="smollm2-135m")

@@ -43,6 +43,7 @@ class AgentRuntime:
     def __init__(self, host: StageHost) -> None:
         self.host = host
         self.next: Link | None = None
+        self.loop: Link | None = None  # last stage -> stage 0, for steps the ring runs on its own
         self.pending = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -52,23 +53,35 @@ class AgentRuntime:
             await old.async_close()
         await self.next.async_connect()
 
+    async def async_set_loop(self, url: str | None, delay_ms: float, mbps: float = 0.0) -> None:
+        old, self.loop = self.loop, None
+        if old is not None:
+            await old.async_close()
+        if url:
+            self.loop = Link(url, delay_ms=delay_ms, mbps=mbps, on_frame=self._on_next_reply)
+            await self.loop.async_connect()
+
     async def _on_next_reply(self, frame: bytes) -> None:
         # The next hop answers only with errors about frames we forwarded; they also went on
         # along the ring to the coordinator, so they are only logged here.
         with contextlib.suppress(ProtocolError):
             msg, _ = decode(frame)
-            log.info("next hop reported: %s", msg)
+            quiet = isinstance(msg, Error) and msg.code == "unknown_stream" and msg.stream in self.host.closed
+            log.log(logging.DEBUG if quiet else logging.INFO, "next hop reported: %s", msg)
 
-    def submit_fwd(self, fwd: Fwd, payload: memoryview, reply: web.WebSocketResponse) -> None:
+    def submit_fwd(self, fwd: Fwd, payload: memoryview, reply: web.WebSocketResponse | None) -> None:
         if self.pending >= MAX_PENDING:
             self._spawn(self.report(ProtocolError("busy", "stage queue is full", fwd.stream, fwd.seq), reply))
             return
         self.pending += 1
 
-        def done(frame: bytes | None, exc: BaseException | None) -> None:
+        def done(res: tuple[bytes, Fwd | None, bytes] | None, exc: BaseException | None) -> None:
             self.pending -= 1
-            if exc is None and frame is not None:
+            if exc is None and res is not None:
+                frame, follow, follow_payload = res
                 self._send(frame)
+                if follow is not None:
+                    self._continue(follow, follow_payload)
             elif isinstance(exc, ProtocolError):
                 self._spawn(self.report(exc, reply))
             else:
@@ -77,10 +90,20 @@ class AgentRuntime:
 
         self.host.compute.submit(self._work, (fwd, payload), done)
 
-    def _work(self, fwd: Fwd, payload: memoryview) -> bytes:
+    def _work(self, fwd: Fwd, payload: memoryview) -> tuple[bytes, Fwd | None, bytes]:
         """On the compute thread: run the stage, encode what goes to the next hop."""
         out: Output = self.host.process(fwd, payload)
-        return encode(out.message, out.payload)
+        return encode(out.message, out.payload), out.follow, out.follow_payload
+
+    def _continue(self, follow: Fwd, payload: bytes) -> None:
+        """The ring runs the stream's next step on its own: back to stage 0."""
+        stage = self.host.stage
+        if stage is not None and stage.first:  # a one-stage ring: stage 0 is right here
+            self.submit_fwd(follow, memoryview(payload), None)
+        elif self.loop is not None and not self.loop.closed:
+            self.loop.send_nowait(encode(follow, payload))
+        else:
+            log.warning("no link back to stage 0: stream %s stops here", follow.stream)
 
     def submit_end(self, msg: Close | Error) -> None:
         """Forget the stream (after its queued steps) and pass the message along the ring."""
@@ -104,23 +127,29 @@ class AgentRuntime:
         t.add_done_callback(self._tasks.discard)
 
     async def report(self, e: ProtocolError, reply: web.WebSocketResponse | None) -> None:
-        self.host.errors += 1
+        # a step the ring was still running when its stream ended: nobody waits for it
+        ended = e.code == "unknown_stream" and e.stream in self.host.closed
         stage = self.host.assignment.stage if self.host.assignment else None
         err = Error(code=e.code, message=str(e), stream=e.stream, seq=e.seq, stage=stage)
-        log.info("refused a frame: %s", err)
+        if ended:
+            log.debug("a step of ended stream %s", e.stream)
+        else:
+            self.host.errors += 1
+            log.info("refused a frame: %s", err)
         frame = encode(err)
         if reply is not None and not reply.closed:
             with contextlib.suppress(ConnectionError, RuntimeError):
                 await reply.send_bytes(frame)
-        if e.stream is not None and self.host.assignment is not None and e.code not in FENCED:
+        if e.stream is not None and self.host.assignment is not None and e.code not in FENCED and not ended:
             # the stream's request has failed: free it here and tell the rest of the ring
             self.submit_end(err)
 
     async def async_close(self) -> None:
         for t in list(self._tasks):
             t.cancel()
-        if self.next is not None:
-            await self.next.async_close()
+        for link in (self.next, self.loop):
+            if link is not None:
+                await link.async_close()
         self.host.shutdown()
 
 
@@ -150,6 +179,8 @@ async def _on_frame(rt: AgentRuntime, ws: web.WebSocketResponse, data: bytes) ->
         elif isinstance(msg, Assign):
             assigned = await rt.host.async_assign(msg)
             await rt.async_set_next(msg.next_hop, msg.link_delay_ms, msg.link_mbps)
+            loop_hop = msg.loop_hop if msg.stage == msg.stages - 1 and msg.stages > 1 else None
+            await rt.async_set_loop(loop_hop, msg.link_delay_ms, msg.link_mbps)
             await ws.send_bytes(encode(assigned))
         elif isinstance(msg, Close | Error):
             rt.submit_end(msg)

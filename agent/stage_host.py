@@ -38,6 +38,8 @@ STAGE_FILES = ("model.xml", "model.bin")
 class Output:
     message: Message
     payload: bytes = b""
+    follow: Fwd | None = None  # the last stage's next step for stage 0 (Fwd.auto)
+    follow_payload: bytes = b""
 
 
 class StageHost:
@@ -49,6 +51,7 @@ class StageHost:
         self.stage: Stage | None = None
         self.streams: dict[str, Stream] = {}
         self._free: list[Stream] = []
+        self.closed: collections.OrderedDict[str, None] = collections.OrderedDict()  # recently closed streams
         self.compute = ComputeThread(spin_s=spin_ms / 1000.0)
         self.frames = 0
         self.errors = 0
@@ -176,7 +179,21 @@ class StageHost:
             sp = Sampling(s.temperature, s.top_p, s.seed)
             rows = list(fwd.logits) if fwd.logits else [fwd.n - 1]
             toks = tuple(choose_token(out.logits[k], sp, pos0 + rows[k]) for k in range(len(rows)))
-        return Output(Ids(term=fwd.term, stream=fwd.stream, seq=fwd.seq, tokens=toks, sent_at=fwd.sent_at))
+        ids = Ids(term=fwd.term, stream=fwd.stream, seq=fwd.seq, tokens=toks, sent_at=fwd.sent_at)
+        if fwd.auto > 0 and toks and toks[-1] not in fwd.stop:
+            nxt = Fwd(
+                term=fwd.term,
+                stream=fwd.stream,
+                seq=fwd.seq + 1,
+                n=1,
+                dtype="i32",
+                sampling=fwd.sampling,
+                sent_at=time.time(),
+                auto=fwd.auto - 1,
+                stop=fwd.stop,
+            )
+            return Output(ids, follow=nxt, follow_payload=np.asarray(toks[-1:], dtype=np.int32).tobytes())
+        return Output(ids)
 
     def _stream(self, fwd: Fwd) -> Stream:
         st = self.streams.get(fwd.stream)
@@ -187,6 +204,7 @@ class StageHost:
                 assert self.stage is not None
                 st = self._free.pop() if self._free else self.stage.open_stream()
                 self.streams[fwd.stream] = st
+                self.closed.pop(fwd.stream, None)
             st.reset()
             return st
         if st is None:
@@ -194,6 +212,9 @@ class StageHost:
         return st
 
     def close_stream(self, stream: str) -> None:
+        self.closed[stream] = None
+        while len(self.closed) > 4096:
+            self.closed.popitem(last=False)
         st = self.streams.pop(stream, None)
         if st is not None and len(self._free) < 8:
             self._free.append(st)  # keep a few requests for reuse (reset on the next start)

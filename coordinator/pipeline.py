@@ -82,6 +82,7 @@ class Pipeline:
         self._control: list[aiohttp.ClientWebSocketResponse] = []
         self._link: Link | None = None
         self._pending: dict[tuple[str, int], asyncio.Future[tuple[int, ...]]] = {}
+        self._queues: dict[str, asyncio.Queue[tuple[int, ...] | PipelineError]] = {}
         self._seq = itertools.count()
         self.assigned: list[Assigned] = []
         self._watchers: list[asyncio.Task[None]] = []
@@ -110,6 +111,7 @@ class Pipeline:
                 exact=self.exact,
                 link_delay_ms=self.link_delay_ms,
                 link_mbps=self.link_mbps,
+                loop_hop=f"ws://{self.placements[0].node}/ws" if i == n - 1 and n > 1 else None,
             )
             ws = self._control[i]
             await ws.send_bytes(encode(msg))
@@ -190,7 +192,44 @@ class Pipeline:
         finally:
             self._pending.pop((stream, seq), None)
 
+    async def async_run(
+        self,
+        stream: str,
+        ids: Sequence[int],
+        *,
+        start: bool,
+        auto: int,
+        stop: Sequence[int] = (),
+        sampling: SamplingSpec | None = None,
+    ) -> asyncio.Queue[tuple[int, ...] | PipelineError]:
+        """Send a step that the ring continues on its own for up to ``auto`` more tokens.
+
+        Every token the last stage produces for ``stream`` (this step's, then the ring's own
+        steps') arrives on the returned queue; an error arrives as a PipelineError. The queue
+        lives until :meth:`async_close_stream`.
+        """
+        if self._link is None:
+            raise PipelineError("the pipeline is not started")
+        q: asyncio.Queue[tuple[int, ...] | PipelineError] = asyncio.Queue()
+        self._queues[stream] = q
+        arr = np.asarray(ids, dtype=np.int32)
+        msg = Fwd(
+            term=self.term,
+            stream=stream,
+            seq=next(self._seq),
+            n=int(arr.size),
+            dtype="i32",
+            start=start,
+            sampling=sampling or SamplingSpec(),
+            sent_at=time.time(),
+            auto=auto,
+            stop=tuple(stop),
+        )
+        await self._link.async_send(encode(msg, arr))
+        return q
+
     async def async_close_stream(self, stream: str) -> None:
+        self._queues.pop(stream, None)
         if self._link is not None and not self._link.closed:
             await self._link.async_send(encode(Close(term=self.term, stream=stream)))
 
@@ -210,11 +249,18 @@ class Pipeline:
             log.warning("bad frame on the return path: %s", e)
             return
         if isinstance(msg, Ids):
+            q = self._queues.get(msg.stream)
+            if q is not None:
+                q.put_nowait(msg.tokens)
+                return
             fut = self._pending.get((msg.stream, msg.seq))
             if fut is not None and not fut.done():
                 fut.set_result(msg.tokens)
         elif isinstance(msg, Error):
             log.warning("stage %s reported %s: %s (stream %s)", msg.stage, msg.code, msg.message, msg.stream)
+            for stream, q in self._queues.items():
+                if msg.stream is None or stream == msg.stream:
+                    q.put_nowait(PipelineError(f"stage {msg.stage}: {msg.message}", msg.code))
             for (stream, seq), fut in list(self._pending.items()):
                 ours = (msg.stream is None or stream == msg.stream) and (msg.seq is None or seq == msg.seq)
                 if ours and not fut.done():
@@ -224,6 +270,8 @@ class Pipeline:
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(PipelineError("the pipeline is shutting down", "shutdown"))
+        for q in self._queues.values():
+            q.put_nowait(PipelineError("the pipeline is shutting down", "shutdown"))
         if self._link is not None:
             await self._link.async_close()
         for t in self._watchers:

@@ -15,11 +15,12 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from agent.protocol import SamplingSpec
-from coordinator.pipeline import Pipeline
+from coordinator.pipeline import Pipeline, PipelineError
 from coordinator.speculative import SpecConfig, Speculator
 
 log = logging.getLogger(__name__)
 PREFILL_CHUNK = 1024
+MAX_STOP = 64  # stop ids the ring itself checks (the coordinator checks them all)
 
 
 @dataclass(frozen=True)
@@ -33,10 +34,13 @@ class GenRequest:
 
 
 class Scheduler:
-    def __init__(self, pipeline: Pipeline, max_streams: int = 4, spec: SpecConfig | None = None) -> None:
+    def __init__(
+        self, pipeline: Pipeline, max_streams: int = 4, spec: SpecConfig | None = None, ring_loop: bool = True
+    ) -> None:
         if max_streams < 1:
             raise ValueError("max_streams must be at least 1")
         self.pipeline = pipeline
+        self.ring_loop = ring_loop  # plain decoding: the last stage feeds stage 0 itself
         self.speculator = Speculator(pipeline, spec) if spec is not None else None
         self.max_streams = max_streams
         self._slots = asyncio.Semaphore(max_streams)
@@ -58,6 +62,11 @@ class Scheduler:
         spec = self.speculator if req.ids_only and req.spec_k != 0 else None
         draft = spec.open_session(req.prompt) if spec is not None else None
         try:
+            if spec is None and req.ids_only and self.ring_loop:
+                async for tok in self._in_ring(stream, req):
+                    self.tokens_out += 1
+                    yield tok
+                return
             toks = await self._prefill(stream, req)
             if spec is not None and draft is not None:
                 gen = spec.async_decode(
@@ -96,6 +105,28 @@ class Scheduler:
                 await self.pipeline.async_close_stream(stream)
             except Exception as e:  # the request is over either way
                 log.info("closing stream %s: %s", stream, e)
+
+    async def _in_ring(self, stream: str, req: GenRequest) -> AsyncGenerator[int, None]:
+        """Plain decoding with the coordinator off the per-token path (``Fwd.auto``)."""
+        chunks = [req.prompt[o : o + PREFILL_CHUNK] for o in range(0, len(req.prompt), PREFILL_CHUNK)]
+        for i, c in enumerate(chunks[:-1]):
+            await self.pipeline.async_step(stream, c, start=i == 0, sampling=req.sampling)
+        q = await self.pipeline.async_run(
+            stream,
+            chunks[-1],
+            start=len(chunks) == 1,
+            auto=req.max_tokens - 1,
+            stop=sorted(req.stop_ids)[:MAX_STOP],
+            sampling=req.sampling,
+        )
+        for _ in range(req.max_tokens):
+            item = await q.get()
+            if isinstance(item, PipelineError):
+                raise item
+            tok = item[-1]
+            if tok in req.stop_ids:
+                return
+            yield tok
 
     async def _prefill(self, stream: str, req: GenRequest) -> tuple[int, ...]:
         toks: tuple[int, ...] = ()

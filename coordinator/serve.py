@@ -60,6 +60,7 @@ class ServeConfig:
     draft_weights: str = "int4"
     draft_threads: int | None = None
     spec_k: int | None = None  # fixed draft length; None: chosen at run time
+    ring_loop: bool = True  # plain decoding: the last stage feeds stage 0 itself (Fwd.auto)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -147,7 +148,7 @@ class Coordinator:
             log.info(
                 "speculative decoding with %s, K %s", drafter.name, cfg.spec_k if cfg.spec_k is not None else "auto"
             )
-        self.scheduler = Scheduler(self.pipeline, cfg.max_streams, spec)
+        self.scheduler = Scheduler(self.pipeline, cfg.max_streams, spec, ring_loop=cfg.ring_loop)
         if not cfg.api:
             cfg.ready.set()
             return

@@ -53,7 +53,10 @@ def _sampling(i: int, sampled: bool) -> SamplingSpec:
     return SamplingSpec(0.8, 0.95, 1000 + i) if sampled else SamplingSpec()
 
 
-def _run(smollm2, nodes: list[str], jobs: list[tuple[tuple[int, ...], SamplingSpec, int]], streams: int = 4):  # type: ignore[no-untyped-def]
+Job = tuple[tuple[int, ...], SamplingSpec, int]
+
+
+def _run(smollm2, nodes: list[str], jobs: list[Job], streams: int = 4, ring_loop: bool = True):  # type: ignore[no-untyped-def]
     """Generate every job (prompt, sampling, K) on a fresh coordinator; returns tokens and counters."""
     from agent.export.exporter import ExportOptions
 
@@ -69,6 +72,7 @@ def _run(smollm2, nodes: list[str], jobs: list[tuple[tuple[int, ...], SamplingSp
         max_streams=streams,
         draft="smollm2-135m",
         draft_weights="int4",
+        ring_loop=ring_loop,
     )
 
     async def main() -> tuple[list[list[int]], Any]:
@@ -127,3 +131,13 @@ def test_auto_k_output_equals_plain(cluster, smollm2, prompts) -> None:  # type:
     plain, _ = _run(smollm2, cluster.nodes[:2], jobs)
     auto, _ = _run(smollm2, cluster.nodes[:2], [(p, s, None) for p, s, _ in jobs])  # type: ignore[misc]
     assert auto == plain
+
+
+@pytest.mark.parametrize("stages", [1, 3])
+def test_ring_loop_equals_coordinator_driven_decoding(stages: int, cluster, smollm2, prompts) -> None:  # type: ignore[no-untyped-def]
+    """Plain decoding where the last stage feeds stage 0 itself gives the same tokens as when
+    the coordinator sends every step, greedy and seeded, with streams of different lengths."""
+    jobs = [(p, _sampling(i, sampled), 0) for sampled in (False, True) for i, p in enumerate(prompts[:4])]
+    looped, _ = _run(smollm2, cluster.nodes[:stages], jobs, ring_loop=True)
+    driven, _ = _run(smollm2, cluster.nodes[:stages], jobs, ring_loop=False)
+    assert looped == driven and all(len(t) > 0 for t in looped)

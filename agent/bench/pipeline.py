@@ -128,10 +128,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # CPU on every node, like the monolithic run: the comparison is of cores, not devices
         with LocalCluster(s, cores=node_cores[:s], threads=c, device="CPU") as cluster:
             for delay in delays:
-                variants = [(k, True) for k in streams]
+                loops = {"on": [True], "off": [False], "both": [False, True]}[args.ring_loop]
+                variants = [(k, True, lp) for k in streams for lp in loops]
                 if delay > 0:
-                    variants.insert(0, (1, False))  # WAN naive: logits come back instead of ids
-                for k, ids_only in variants:
+                    variants.insert(0, (1, False, False))  # WAN naive: logits come back instead of ids
+                for k, ids_only, ring_loop in variants:
                     term += 1
                     mbps = args.wan_mbps if delay > 0 else 0.0
                     tokens = args.wan_tokens if delay > 0 else args.tokens
@@ -146,6 +147,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         term=term,
                         max_streams=k,
                         api=False,
+                        ring_loop=ring_loop,
                     )
                     tok_s, all_runs = aio.run(_measure(cfg, prompt, k, tokens, args.runs, ids_only))
                     row = {
@@ -154,11 +156,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "link_delay_ms": delay,
                         "link_mbps": mbps,
                         "ids_only": ids_only,
+                        "ring_loop": ring_loop,
                         "tok_s": round(tok_s, 2),
                     }
                     rows.append(row)
                     _say(
-                        f"{s} stages x {k} streams, {delay:g} ms/hop{'' if ids_only else ' (logits back)'}: "
+                        f"{s} stages x {k} streams, {delay:g} ms/hop{'' if ids_only else ' (logits back)'}"
+                        f"{', ring loop' if ring_loop else ''}: "
                         f"{tok_s:.2f} tok/s (runs {[round(x, 2) for x in all_runs]})"
                     )
     mono_runs.append(_mono(whole.dir, node_cores[0], prompt, args.tokens, args.runs))

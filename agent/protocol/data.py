@@ -46,6 +46,12 @@ class Fwd(Message):
     ``start`` resets the stream (a new request); ``rollback`` first disables that many of the
     stream's last KV slots (rejected speculative tokens). ``logits`` lists which of the n
     positions the last stage turns into tokens (empty: the last one).
+
+    ``auto`` lets the ring continue on its own (greedy or seeded sampling, no drafting): the
+    last stage feeds its token straight back to stage 0 as the next step, up to ``auto`` more
+    times or until it produces one of the ``stop`` ids, while it still reports every token to
+    the coordinator. The coordinator leaves the per-token critical path; it ends such a stream
+    early by closing it.
     """
 
     TYPE: ClassVar[str] = "fwd"
@@ -60,10 +66,13 @@ class Fwd(Message):
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     sent_at: float = 0.0
     ret_logits: bool = False  # the "naive" design: the last stage sends logits, not ids
+    auto: int = 0
+    stop: tuple[int, ...] = ()
 
     def header(self) -> dict[str, Any]:
         d = super().header()
         d["logits"] = list(self.logits)
+        d["stop"] = list(self.stop)
         d["sampling"] = self.sampling.to_list()
         return d
 
@@ -95,6 +104,8 @@ class Fwd(Message):
                 sampling=SamplingSpec.from_list(h.get("sampling", [0.0, 1.0, 0])),
                 sent_at=float_field(h.get("sent_at", 0.0), "sent_at", 0.0, 1e12),
                 ret_logits=ret_logits,
+                auto=int_field(h.get("auto", 0), "auto", 0, 1 << 20),
+                stop=int_list_field(h.get("stop", []), "stop", 64),
             )
         except ProtocolError as e:
             e.stream, e.seq = stream, seq
@@ -188,6 +199,7 @@ class Assign(Message):
     exact: bool = False
     link_delay_ms: float = 0.0
     link_mbps: float = 0.0  # 0: unlimited
+    loop_hop: str | None = None  # the last stage's link back to stage 0 (for Fwd.auto)
 
     @classmethod
     def parse(cls, h: dict[str, Any]) -> Assign:
@@ -211,6 +223,7 @@ class Assign(Message):
             exact=exact,
             link_delay_ms=float_field(h.get("link_delay_ms", 0.0), "link_delay_ms", 0.0, 60000.0),
             link_mbps=float_field(h.get("link_mbps", 0.0), "link_mbps", 0.0, 1e6),
+            loop_hop=opt_str_field(h.get("loop_hop"), "loop_hop"),
         )
 
 
