@@ -19,12 +19,12 @@ import logging
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import ifaddr
-from zeroconf import IPVersion, ServiceStateChange, Zeroconf
-from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
+from typing import TYPE_CHECKING, Any
 
 from agent.protocol.control import ID_RE, KIND_RE, MAX_MEM, MAX_SCORE, STATES
+
+if TYPE_CHECKING:  # zeroconf is imported only when mDNS is used (standalone agents do without)
+    from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
 log = logging.getLogger(__name__)
 SERVICE = "_lakeshard._tcp.local."
@@ -115,6 +115,8 @@ def local_addresses(only: str | None = None) -> list[str]:
     """This machine's IPv4 addresses to advertise (loopback and link-local left out)."""
     if only:
         return [only]
+    import ifaddr
+
     out = []
     for adapter in ifaddr.get_adapters():
         for ip in adapter.ips:
@@ -147,11 +149,16 @@ class Discovery:
         self.rejected = 0
 
     def _service_info(self, ad: Advert) -> AsyncServiceInfo:
+        from zeroconf.asyncio import AsyncServiceInfo
+
         addrs = [socket.inet_aton(a) for a in local_addresses(self.interface)]
         name, server = f"{ad.node}.{SERVICE}", f"{ad.node}.local."
         return AsyncServiceInfo(SERVICE, name, port=ad.port, properties=ad.txt(), addresses=addrs, server=server)
 
     async def async_start(self) -> None:
+        from zeroconf import IPVersion
+        from zeroconf.asyncio import AsyncServiceBrowser, AsyncZeroconf
+
         ifaces = [self.interface] if self.interface else None
         self._azc = AsyncZeroconf(interfaces=ifaces or _all(), ip_version=IPVersion.V4Only)
         ad = self.me()
@@ -171,7 +178,9 @@ class Discovery:
         self._info = self._service_info(ad)
         await self._azc.async_update_service(self._info)
 
-    def _on_change(self, zeroconf: Zeroconf, service_type: str, name: str, state_change: ServiceStateChange) -> None:
+    def _on_change(self, zeroconf: Any, service_type: str, name: str, state_change: Any) -> None:
+        from zeroconf import ServiceStateChange
+
         if state_change is ServiceStateChange.Removed:
             node = self._names.pop(name, None)
             if node:
@@ -182,6 +191,9 @@ class Discovery:
         t.add_done_callback(self._tasks.discard)
 
     async def _resolve(self, name: str) -> None:
+        from zeroconf import IPVersion
+        from zeroconf.asyncio import AsyncServiceInfo
+
         assert self._azc is not None
         info = AsyncServiceInfo(SERVICE, name)
         if not await info.async_request(self._azc.zeroconf, 3000):
