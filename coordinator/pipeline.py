@@ -23,7 +23,7 @@ import aiohttp
 import numpy as np
 
 from agent.hashing import sha256_file
-from agent.link import HEARTBEAT_S, Link
+from agent.link import HEARTBEAT_S, Link, LinkClosed
 from agent.protocol import (
     MAX_FRAME,
     Assign,
@@ -86,6 +86,8 @@ class Pipeline:
         self._seq = itertools.count()
         self.assigned: list[Assigned] = []
         self._watchers: list[asyncio.Task[None]] = []
+        self.lost: str | None = None  # the first agent found gone: the pipeline is broken
+        self._closing = False
 
     # -- set-up ------------------------------------------------------------------------------
     async def async_start(self, timeout: float = 300.0) -> None:
@@ -124,7 +126,10 @@ class Pipeline:
             assert isinstance(got, Assigned)
             self.assigned[i] = got
             log.info("stage %d on %s (%s), ready in %.1fs", i, p.node, got.device, got.compile_s)
-        self._watchers = [asyncio.create_task(self._watch_control(ws)) for ws in self._control]
+        self._watchers = [
+            asyncio.create_task(self._watch_control(p.node, ws))
+            for p, ws in zip(self.placements, self._control, strict=True)
+        ]
         first = f"ws://{self.placements[0].node}/ws"
         self._link = Link(first, delay_ms=self.link_delay_ms, mbps=self.link_mbps, on_frame=self.async_on_frame)
         await self._link.async_connect()
@@ -142,10 +147,26 @@ class Pipeline:
                     raise PipelineError(f"cannot reach the agent at {node}: {e}", "unreachable") from e
                 await asyncio.sleep(0.2)
 
-    async def _watch_control(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+    async def _watch_control(self, node: str, ws: aiohttp.ClientWebSocketResponse) -> None:
+        """Errors from an agent, and its death: the control connection closes (or its heartbeat stops)."""
         async for m in ws:
             if m.type == aiohttp.WSMsgType.BINARY:
                 await self.async_on_frame(m.data)
+        if not self._closing:
+            self.mark_lost(node)
+
+    def mark_lost(self, node: str) -> None:
+        """An agent is gone: every stream in flight fails with ``node_lost`` (the scheduler recovers)."""
+        if self.lost is not None:
+            return
+        self.lost = node
+        log.warning("lost the agent at %s", node)
+        err = PipelineError(f"the agent at {node} is gone", "node_lost")
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+        for q in self._queues.values():
+            q.put_nowait(err)
 
     # -- data path ---------------------------------------------------------------------------
     def new_stream(self) -> str:
@@ -169,6 +190,8 @@ class Pipeline:
         """
         if self._link is None:
             raise PipelineError("the pipeline is not started")
+        if self.lost is not None:
+            raise PipelineError(f"the agent at {self.lost} is gone", "node_lost")
         seq = next(self._seq)
         fut: asyncio.Future[tuple[int, ...]] = asyncio.get_running_loop().create_future()
         self._pending[(stream, seq)] = fut
@@ -187,7 +210,10 @@ class Pipeline:
             ret_logits=ret_logits,
         )
         try:
-            await self._link.async_send(encode(msg, arr))
+            try:
+                await self._link.async_send(encode(msg, arr))
+            except LinkClosed as e:
+                raise PipelineError(str(e), "node_lost") from e
             return await fut
         finally:
             self._pending.pop((stream, seq), None)
@@ -210,6 +236,8 @@ class Pipeline:
         """
         if self._link is None:
             raise PipelineError("the pipeline is not started")
+        if self.lost is not None:
+            raise PipelineError(f"the agent at {self.lost} is gone", "node_lost")
         q: asyncio.Queue[tuple[int, ...] | PipelineError] = asyncio.Queue()
         self._queues[stream] = q
         arr = np.asarray(ids, dtype=np.int32)
@@ -225,12 +253,15 @@ class Pipeline:
             auto=auto,
             stop=tuple(stop),
         )
-        await self._link.async_send(encode(msg, arr))
+        try:
+            await self._link.async_send(encode(msg, arr))
+        except LinkClosed as e:
+            raise PipelineError(str(e), "node_lost") from e
         return q
 
     async def async_close_stream(self, stream: str) -> None:
         self._queues.pop(stream, None)
-        if self._link is not None and not self._link.closed:
+        if self._link is not None and not self._link.closed and self.lost is None:
             await self._link.async_send(encode(Close(term=self.term, stream=stream)))
 
     async def async_on_frame(self, frame: bytes) -> None:
@@ -267,6 +298,7 @@ class Pipeline:
                     fut.set_exception(PipelineError(f"stage {msg.stage}: {msg.message}", msg.code))
 
     async def async_close(self) -> None:
+        self._closing = True
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(PipelineError("the pipeline is shutting down", "shutdown"))

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass, field, replace
 
 from agent.protocol import SamplingSpec
 from coordinator.pipeline import Pipeline, PipelineError
@@ -21,6 +21,9 @@ from coordinator.speculative import SpecConfig, Speculator
 log = logging.getLogger(__name__)
 PREFILL_CHUNK = 1024
 MAX_STOP = 64  # stop ids the ring itself checks (the coordinator checks them all)
+MAX_RECOVERIES = 3  # re-plans one request rides through before it gives up
+# errors of a pipeline that lost a node, or of steps that reached a re-planned one
+RECOVERABLE = frozenset({"node_lost", "stale_term", "unknown_stream", "not_assigned"})
 
 
 @dataclass(frozen=True)
@@ -47,9 +50,24 @@ class Scheduler:
         self.active = 0
         self.waiting = 0
         self.tokens_out = 0
+        self.replays = 0  # generations resumed on a re-planned pipeline
+        # set by the coordinator: re-plan after ``failed`` lost a node (raises if it cannot)
+        self.recover: Callable[[Pipeline], Awaitable[None]] | None = None
+
+    def set_pipeline(self, pipeline: Pipeline) -> None:
+        """A new pipeline after a re-plan: new steps go there."""
+        self.pipeline = pipeline
+        if self.speculator is not None:
+            self.speculator.pipeline = pipeline
 
     async def async_generate(self, req: GenRequest) -> AsyncGenerator[int, None]:
-        """Yield the generated token ids (stop token excluded) as they arrive."""
+        """Yield the generated token ids (stop token excluded) as they arrive.
+
+        If the pipeline loses a node mid-generation and a ``recover`` callback is set, the
+        request waits for the re-planned pipeline, replays its prompt plus every token it has
+        already yielded as the new prompt, and carries on: the caller sees a pause, and no
+        token is lost or repeated (greedy and seeded sampling are functions of the position).
+        """
         if not req.prompt:
             raise ValueError("empty prompt")
         self.waiting += 1
@@ -58,16 +76,39 @@ class Scheduler:
         finally:
             self.waiting -= 1
         self.active += 1
-        stream = self.pipeline.new_stream()
+        emitted: list[int] = []
+        try:
+            for attempt in range(MAX_RECOVERIES + 1):
+                pipeline = self.pipeline
+                sub = replace(req, prompt=req.prompt + tuple(emitted), max_tokens=req.max_tokens - len(emitted))
+                if sub.max_tokens <= 0:
+                    return
+                try:
+                    async for tok in self._generate_once(pipeline, sub):
+                        emitted.append(tok)
+                        self.tokens_out += 1
+                        yield tok
+                    return
+                except PipelineError as e:
+                    if self.recover is None or e.code not in RECOVERABLE or attempt == MAX_RECOVERIES:
+                        raise
+                    log.warning("generation paused after %d tokens (%s); recovering", len(emitted), e)
+                    await self.recover(pipeline)
+                    self.replays += 1
+        finally:
+            self.active -= 1
+            self._slots.release()
+
+    async def _generate_once(self, pipeline: Pipeline, req: GenRequest) -> AsyncGenerator[int, None]:
+        stream = pipeline.new_stream()
         spec = self.speculator if req.ids_only and req.spec_k != 0 else None
         draft = spec.open_session(req.prompt) if spec is not None else None
         try:
             if spec is None and req.ids_only and self.ring_loop:
-                async for tok in self._in_ring(stream, req):
-                    self.tokens_out += 1
+                async for tok in self._in_ring(pipeline, stream, req):
                     yield tok
                 return
-            toks = await self._prefill(stream, req)
+            toks = await self._prefill(pipeline, stream, req)
             if spec is not None and draft is not None:
                 gen = spec.async_decode(
                     stream,
@@ -82,7 +123,6 @@ class Scheduler:
                     async for tok in gen:
                         if tok in req.stop_ids:
                             return
-                        self.tokens_out += 1
                         yield tok
                 finally:
                     await gen.aclose()
@@ -91,27 +131,24 @@ class Scheduler:
                 tok = toks[-1]
                 if tok in req.stop_ids:
                     return
-                self.tokens_out += 1
                 yield tok
                 if i + 1 == req.max_tokens:
                     return
-                toks = await self.pipeline.async_step(stream, [tok], sampling=req.sampling, ret_logits=not req.ids_only)
+                toks = await pipeline.async_step(stream, [tok], sampling=req.sampling, ret_logits=not req.ids_only)
         finally:
-            self.active -= 1
-            self._slots.release()
             if draft is not None:
                 draft.session.close()
             try:
-                await self.pipeline.async_close_stream(stream)
+                await pipeline.async_close_stream(stream)
             except Exception as e:  # the request is over either way
                 log.info("closing stream %s: %s", stream, e)
 
-    async def _in_ring(self, stream: str, req: GenRequest) -> AsyncGenerator[int, None]:
+    async def _in_ring(self, pipeline: Pipeline, stream: str, req: GenRequest) -> AsyncGenerator[int, None]:
         """Plain decoding with the coordinator off the per-token path (``Fwd.auto``)."""
         chunks = [req.prompt[o : o + PREFILL_CHUNK] for o in range(0, len(req.prompt), PREFILL_CHUNK)]
         for i, c in enumerate(chunks[:-1]):
-            await self.pipeline.async_step(stream, c, start=i == 0, sampling=req.sampling)
-        q = await self.pipeline.async_run(
+            await pipeline.async_step(stream, c, start=i == 0, sampling=req.sampling)
+        q = await pipeline.async_run(
             stream,
             chunks[-1],
             start=len(chunks) == 1,
@@ -128,11 +165,11 @@ class Scheduler:
                 return
             yield tok
 
-    async def _prefill(self, stream: str, req: GenRequest) -> tuple[int, ...]:
+    async def _prefill(self, pipeline: Pipeline, stream: str, req: GenRequest) -> tuple[int, ...]:
         toks: tuple[int, ...] = ()
         for off in range(0, len(req.prompt), PREFILL_CHUNK):
             chunk = req.prompt[off : off + PREFILL_CHUNK]
-            toks = await self.pipeline.async_step(
+            toks = await pipeline.async_step(
                 stream, chunk, start=off == 0, sampling=req.sampling, ret_logits=not req.ids_only
             )
         return toks

@@ -13,8 +13,10 @@ import logging
 import signal
 import socket
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
@@ -27,8 +29,8 @@ from agent.protocol import MAX_FRAME
 from agent.runtime.tokenizer import ChatTokenizer
 from coordinator.api import ApiState, make_api_app
 from coordinator.drafting import load_drafter
-from coordinator.pipeline import Pipeline, StagePlacement
-from coordinator.planner import balanced_split, model_costs, split_from_cuts
+from coordinator.pipeline import Pipeline, PipelineError, StagePlacement
+from coordinator.planner import PlanError, balanced_split, model_costs, split_from_cuts
 from coordinator.scheduler import Scheduler
 from coordinator.speculative import SpecConfig
 
@@ -60,6 +62,7 @@ class ServeConfig:
     draft_weights: str = "int4"
     draft_threads: int | None = None
     spec_k: int | None = None  # fixed draft length; None: chosen at run time
+    failover: bool = True  # re-plan over the surviving agents when one is lost, and resume
     ring_loop: bool = True  # plain decoding: the last stage feeds stage 0 itself (Fwd.auto)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -71,6 +74,19 @@ def plan_ranges(model: LocalModel, n_stages: int, split: Sequence[int] | None) -
             raise ValueError(f"--split gives {len(ranges)} stages for {n_stages} nodes")
         return ranges
     return balanced_split(model_costs(model.config()), n_stages)
+
+
+async def _reachable(node: str, timeout: float = 1.0) -> bool:
+    """Whether an agent answers at ``node`` (host:port) right now."""
+    host, _, port = node.rpartition(":")
+    try:
+        _, w = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout)
+    except (OSError, TimeoutError):
+        return False
+    w.close()
+    with contextlib.suppress(OSError):
+        await w.wait_closed()
+    return True
 
 
 def _free_port(host: str) -> int:
@@ -87,54 +103,45 @@ class Coordinator:
         self.scheduler: Scheduler | None = None
         self._runners: list[web.AppRunner] = []
         self.api_url = ""
+        self.term = cfg.term
+        self._exports: dict[str, list[Path]] = {}  # export id -> stage folders (served to agents)
+        self._recover_lock = asyncio.Lock()
+        self.recoveries: list[dict[str, object]] = []
+        self._host = ""
+        self._data_port = 0
+        self._spare: asyncio.Task[None] | None = None
+        self._export_lock = asyncio.Lock()  # one export at a time (the fallback and a recovery share folders)
 
     async def async_start(self) -> None:
         cfg = self.cfg
-        ranges = plan_ranges(cfg.model, len(cfg.nodes), cfg.split)
         loop = asyncio.get_running_loop()
-        self.export = await loop.run_in_executor(
-            None, lambda: export_model(cfg.model, ranges, cfg.opts, quiet=cfg.quiet)
+        self._data_port = cfg.data_port or _free_port(cfg.data_host)
+        self._host = cfg.advertise_host or (
+            cfg.data_host if cfg.data_host not in ("0.0.0.0", "::") else socket.gethostname()
         )
-        export_id = hashlib.sha256(str(self.export.dir).encode()).hexdigest()[:16]
-
-        data_port = cfg.data_port or _free_port(cfg.data_host)
-        host = cfg.advertise_host or (cfg.data_host if cfg.data_host not in ("0.0.0.0", "::") else socket.gethostname())
         data_app = web.Application(client_max_size=MAX_FRAME)
-        self.pipeline = Pipeline(
-            [StagePlacement(n, d) for n, d in zip(cfg.nodes, self.export.stage_dirs(), strict=True)],
-            export_id=export_id,
-            return_url=f"ws://{host}:{data_port}/ring",
-            artifacts_url=f"http://{host}:{data_port}/artifacts",
-            term=cfg.term,
-            link_delay_ms=cfg.link_delay_ms,
-            link_mbps=cfg.link_mbps,
-            wire_dtype=cfg.wire_dtype,
-            exact=cfg.exact,
-            ship_artifacts=cfg.ship_artifacts,
-        )
-        pipeline = self.pipeline
-        stage_dirs = self.export.stage_dirs()
 
         async def ring(request: web.Request) -> web.WebSocketResponse:
             ws = web.WebSocketResponse(heartbeat=HEARTBEAT_S, max_msg_size=MAX_FRAME, compress=False)
             await ws.prepare(request)
             async for m in ws:
-                if m.type == aiohttp.WSMsgType.BINARY:
-                    await pipeline.async_on_frame(m.data)
+                if m.type == aiohttp.WSMsgType.BINARY and self.pipeline is not None:
+                    await self.pipeline.async_on_frame(m.data)
             return ws
 
         async def artifact(request: web.Request) -> web.StreamResponse:
-            if request.match_info["export"] != export_id:
+            dirs = self._exports.get(request.match_info["export"])
+            if dirs is None:
                 raise web.HTTPNotFound()
             i, name = int(request.match_info["stage"]), request.match_info["name"]
-            if not (0 <= i < len(stage_dirs)) or name not in ("manifest.json", "model.xml", "model.bin"):
+            if not (0 <= i < len(dirs)) or name not in ("manifest.json", "model.xml", "model.bin"):
                 raise web.HTTPNotFound()
-            return web.FileResponse(stage_dirs[i] / name)
+            return web.FileResponse(dirs[i] / name)
 
         data_app.router.add_get("/ring", ring)
         data_app.router.add_get(r"/artifacts/{export}/{stage:\d+}/{name}", artifact)
-        await self._site(data_app, cfg.data_host, data_port)
-        await self.pipeline.async_start()
+        await self._site(data_app, cfg.data_host, self._data_port)
+        self.pipeline = await self._build(cfg.nodes, cfg.split)
         spec = None
         if cfg.draft:
             draft = cfg.draft
@@ -149,9 +156,14 @@ class Coordinator:
                 "speculative decoding with %s, K %s", drafter.name, cfg.spec_k if cfg.spec_k is not None else "auto"
             )
         self.scheduler = Scheduler(self.pipeline, cfg.max_streams, spec, ring_loop=cfg.ring_loop)
+        if cfg.failover:
+            self.scheduler.recover = self.async_recover
+            if len(cfg.nodes) > 1:  # have the split for one node fewer ready before it is needed
+                self._spare = asyncio.create_task(self._prepare_fallback(len(cfg.nodes) - 1))
         if not cfg.api:
             cfg.ready.set()
             return
+        assert self.export is not None
         export_dir = self.export.dir
         tok = await loop.run_in_executor(
             None, lambda: ChatTokenizer(export_dir / "tokenizer", export_dir / "config.json")
@@ -162,6 +174,78 @@ class Coordinator:
         self.api_url = f"http://{cfg.api_host}:{api_port}"
         cfg.ready.set()
 
+    async def _build(self, nodes: Sequence[str], split: Sequence[int] | None = None) -> Pipeline:
+        """Plan ``nodes`` into a pipeline, export (or reuse) the stages, assign them in ``self.term``."""
+        cfg = self.cfg
+        ranges = plan_ranges(cfg.model, len(nodes), split)
+        loop = asyncio.get_running_loop()
+        async with self._export_lock:
+            export = await loop.run_in_executor(
+                None, lambda: export_model(cfg.model, ranges, cfg.opts, quiet=cfg.quiet)
+            )
+        self.export = export
+        export_id = hashlib.sha256(str(export.dir).encode()).hexdigest()[:16]
+        self._exports[export_id] = export.stage_dirs()
+        pipeline = Pipeline(
+            [StagePlacement(n, d) for n, d in zip(nodes, export.stage_dirs(), strict=True)],
+            export_id=export_id,
+            return_url=f"ws://{self._host}:{self._data_port}/ring",
+            artifacts_url=f"http://{self._host}:{self._data_port}/artifacts",
+            term=self.term,
+            link_delay_ms=cfg.link_delay_ms,
+            link_mbps=cfg.link_mbps,
+            wire_dtype=cfg.wire_dtype,
+            exact=cfg.exact,
+            ship_artifacts=cfg.ship_artifacts,
+        )
+        try:
+            await pipeline.async_start()
+        except BaseException:
+            await pipeline.async_close()
+            raise
+        return pipeline
+
+    async def _prepare_fallback(self, n: int) -> None:
+        cfg = self.cfg
+        try:
+            ranges = plan_ranges(cfg.model, n, None)
+            async with self._export_lock:
+                await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: export_model(cfg.model, ranges, cfg.opts, quiet=True)
+                )
+        except Exception as e:  # only a head start: recovery exports on demand otherwise
+            log.info("could not prepare the %d-stage fallback: %s", n, e)
+
+    async def async_recover(self, failed: Pipeline) -> None:
+        """``failed`` lost a node: re-plan over the agents still reachable, in a new term.
+
+        One recovery at a time; requests that fail together wait for the same one. Raises a
+        PipelineError naming the reason when the survivors cannot carry the model.
+        """
+        async with self._recover_lock:
+            if self.pipeline is not failed:
+                return  # already replaced
+            t0 = time.monotonic()
+            live = [n for n in self.cfg.nodes if await _reachable(n)]
+            log.warning("re-planning over %d of %d agents after losing %s", len(live), len(self.cfg.nodes), failed.lost)
+            if not live:
+                raise PipelineError("no agent is reachable any more", "cluster_lost")
+            if len(live) > self.cfg.model.num_layers:
+                live = live[: self.cfg.model.num_layers]
+            self.term += 1
+            try:
+                new = await self._build(live)
+            except (PipelineError, PlanError, OSError) as e:
+                raise PipelineError(f"the remaining agents cannot carry the model: {e}", "cluster_lost") from e
+            self.pipeline = new
+            assert self.scheduler is not None
+            self.scheduler.set_pipeline(new)
+            self.recoveries.append(
+                {"lost": failed.lost, "nodes": live, "term": self.term, "seconds": round(time.monotonic() - t0, 3)}
+            )
+            failed.mark_lost(failed.lost or "?")
+            await failed.async_close()
+
     async def _site(self, app: web.Application, host: str, port: int) -> None:
         runner = web.AppRunner(app, handler_cancellation=True)
         await runner.setup()
@@ -169,6 +253,9 @@ class Coordinator:
         self._runners.append(runner)
 
     async def async_stop(self) -> None:
+        if self._spare is not None and not self._spare.done():
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._spare  # an export in a worker thread cannot be interrupted
         if self.scheduler is not None:
             self.scheduler.shutdown()
         if self.pipeline is not None:
