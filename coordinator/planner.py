@@ -7,6 +7,7 @@ much as several layers); the embedding lookup reads one row and costs next to no
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -92,3 +93,159 @@ def split_from_cuts(n_layers: int, cuts: Sequence[int]) -> list[tuple[int, int]]
     if any(b <= a for a, b in pairwise(pts)):
         raise PlanError(f"split points must be increasing and inside 1..{n_layers - 1}, got {list(cuts)}")
     return list(pairwise(pts))
+
+
+# ---- capacity-aware planning over real nodes --------------------------------------------------
+
+GIB = 1024**3
+BYTES_PER_WEIGHT = {"fp32": 4.0, "fp16": 2.0, "int8": 1.06, "int4": 0.56}  # scales and zero points included
+
+
+@dataclass(frozen=True)
+class NodeOffer:
+    """What a node offers the planner: free memory, measured speed and throttle state."""
+
+    node: str
+    mem_free: int
+    speed: float  # GFLOP/s from the capacity probe
+    state: str = "available"  # limited: counted at half speed; paused: not used
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Memory a stage needs: weights of its layers (+ embeddings / lm_head), KV, runtime."""
+
+    costs: ModelCosts
+    layer_bytes: int
+    head_bytes: int
+    embed_bytes: int
+    kv_bytes_per_layer: int  # all streams at the planned context length
+    runtime_bytes: int = 700 * 1024**2  # an agent process with OpenVINO loaded
+
+    def stage_bytes(self, start: int, end: int) -> int:
+        n = self.costs.n_layers
+        b = (end - start) * (self.layer_bytes + self.kv_bytes_per_layer) + self.runtime_bytes
+        if start == 0:
+            b += self.embed_bytes
+        if end == n:
+            b += self.head_bytes
+        return b
+
+    def total_bytes(self, stages: int = 1) -> int:
+        n = self.costs.n_layers
+        weights = n * (self.layer_bytes + self.kv_bytes_per_layer) + self.embed_bytes + self.head_bytes
+        return weights + stages * self.runtime_bytes
+
+
+def footprint(config: Any, weights: str, streams: int = 4, context: int = 4096) -> Footprint:
+    costs = model_costs(config)
+    bpw = BYTES_PER_WEIGHT[weights]
+    h = int(config.hidden_size)
+    hd = int(getattr(config, "head_dim", None) or h // int(config.num_attention_heads))
+    kv = 2 * int(config.num_key_value_heads) * hd * context * streams * 2  # K and V, f16
+    layer_weights = costs.layer - 2 * h * h  # the per-layer remainder in model_costs is not weights
+    embed = int(config.vocab_size) * h * 2  # gathered from an f16 table
+    return Footprint(
+        costs=costs,
+        layer_bytes=int(layer_weights * bpw),
+        head_bytes=int(costs.head * bpw),
+        embed_bytes=embed,
+        kv_bytes_per_layer=kv,
+    )
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    node: str
+    start: int
+    end: int
+    mem_bytes: int
+    seconds: float  # predicted compute per token
+
+
+@dataclass(frozen=True)
+class Plan:
+    stages: tuple[StagePlan, ...]
+    bottleneck_s: float
+    cycle_s: float  # one token through every stage and hop
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        return [(s.start, s.end) for s in self.stages]
+
+    @property
+    def nodes(self) -> list[str]:
+        return [s.node for s in self.stages]
+
+
+def _split(fp: Footprint, order: Sequence[NodeOffer], speeds: Sequence[float]) -> Plan | None:
+    """Best contiguous split over ``order`` (one stage each) within memory; None if it cannot fit."""
+    n, k = fp.costs.n_layers, len(order)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    cut = [[0] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0.0
+    for s in range(1, k + 1):
+        for e in range(s, n - (k - s) + 1):
+            for b in range(s - 1, e):
+                if best[s - 1][b] == inf or fp.stage_bytes(b, e) > order[s - 1].mem_free:
+                    continue
+                t = max(best[s - 1][b], 2 * fp.costs.stage_cost(b, e) / (speeds[s - 1] * 1e9))
+                if t < best[s][e] - 1e-15:
+                    best[s][e], cut[s][e] = t, b
+    if best[k][n] == inf:
+        return None
+    stages: list[StagePlan] = []
+    e = n
+    for s in range(k, 0, -1):
+        b = cut[s][e]
+        secs = 2 * fp.costs.stage_cost(b, e) / (speeds[s - 1] * 1e9)
+        stages.append(StagePlan(order[s - 1].node, b, e, fp.stage_bytes(b, e), secs))
+        e = b
+    stages.reverse()
+    return Plan(tuple(stages), best[k][n], sum(x.seconds for x in stages))
+
+
+def plan_pipeline(
+    fp: Footprint, offers: Sequence[NodeOffer], *, streams: int = 1, hop_s: float = 0.002, gain: float = 0.05
+) -> Plan:
+    """Contiguous layer ranges over some of ``offers`` that serve ``streams`` streams fastest.
+
+    Time per token of the whole cluster is ``max(bottleneck, cycle / streams)``, where the
+    cycle adds ``hop_s`` per hop: one stream gains nothing from extra nodes, many streams do.
+    More nodes are used only when they cut that time by more than ``gain`` (or when the model
+    does not fit on fewer). Raises PlanError saying what is missing when nothing fits.
+    """
+    usable = [o for o in offers if o.state != "paused" and o.speed > 0 and o.mem_free > 0]
+    if not usable:
+        raise PlanError("no node is available (all paused or unknown)")
+    offered = sum(o.mem_free for o in usable)
+    usable.sort(key=lambda o: (-o.speed * (0.5 if o.state == "limited" else 1.0), -o.mem_free, o.node))
+    best: tuple[float, Plan] | None = None
+    for k in range(1, min(len(usable), fp.costs.n_layers) + 1):
+        chosen = usable[:k]
+        orders = itertools.permutations(chosen) if k <= 5 else iter([tuple(chosen)])
+        found: Plan | None = None
+        tried: set[tuple[tuple[float, int, str], ...]] = set()
+        for order in orders:
+            sig = tuple((o.speed, o.mem_free, o.state) for o in order)
+            if sig in tried:  # nodes alike: the same split
+                continue
+            tried.add(sig)
+            speeds = [o.speed * (0.5 if o.state == "limited" else 1.0) for o in order]
+            p = _split(fp, order, speeds)
+            if p is not None and (found is None or p.bottleneck_s < found.bottleneck_s - 1e-15):
+                found = p
+        if found is None:
+            continue
+        cycle = found.cycle_s + hop_s * k  # k hops: coordinator -> stages -> back
+        score = max(found.bottleneck_s, cycle / max(1, streams))
+        if best is None or score < best[0] * (1 - gain):
+            best = (score, Plan(found.stages, found.bottleneck_s, cycle))
+    if best is None:
+        need = fp.total_bytes(1)
+        raise PlanError(
+            f"needs {need / GIB:.1f} GB, cluster offers {offered / GIB:.1f} GB over {len(usable)} node(s)"
+            + ("" if offered < need else " but no contiguous split fits the nodes' memory")
+        )
+    return best[1]

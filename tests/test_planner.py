@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.planner import ModelCosts, PlanError, balanced_split, split_from_cuts
+from coordinator.planner import (
+    Footprint,
+    ModelCosts,
+    NodeOffer,
+    PlanError,
+    balanced_split,
+    footprint,
+    plan_pipeline,
+    split_from_cuts,
+)
 
 
 @pytest.mark.parametrize(
@@ -74,3 +83,70 @@ def test_split_from_cuts(cuts: list[int], expected: list[tuple[int, int]]) -> No
 def test_split_from_cuts_rejects_bad_points(cuts: list[int]) -> None:
     with pytest.raises(PlanError, match=r"increasing and inside 1\.\.29"):
         split_from_cuts(30, cuts)
+
+
+# ---- capacity-aware planning over heterogeneous nodes ---------------------------------------
+
+MB = 1024**2
+GB = 1024**3
+# 10 layers of 100 MB; lm_head as heavy as 3 layers; small embeddings, KV and runtime
+FP = Footprint(
+    costs=ModelCosts(10, layer=5e8, head=1.5e9),
+    layer_bytes=100 * MB,
+    head_bytes=300 * MB,
+    embed_bytes=50 * MB,
+    kv_bytes_per_layer=10 * MB,
+    runtime_bytes=100 * MB,
+)
+WHOLE = FP.total_bytes(1)  # about 1.5 GB
+
+
+def _o(node: str, gb: float, speed: float = 100.0, state: str = "available") -> NodeOffer:
+    return NodeOffer(node, int(gb * GB), speed, state)
+
+
+@pytest.mark.parametrize(
+    ("offers", "streams", "nodes", "ranges"),
+    [
+        # one stream, the model fits one node: no hops at all
+        ([_o("a", 8), _o("b", 8), _o("c", 8)], 1, ["a"], [(0, 10)]),
+        # one stream, but no node holds it all: as few nodes as it takes
+        ([_o("a", 1), _o("b", 1), _o("c", 1)], 1, ["a", "b"], [(0, 6), (6, 10)]),
+        # many streams: every node works, the lm_head's stage gets fewer layers
+        ([_o("a", 8), _o("b", 8), _o("c", 8)], 8, ["a", "b", "c"], [(0, 4), (4, 8), (8, 10)]),
+        # the slower node gets the smaller share (one layer plus the lm_head: 80 ms vs 90 ms)
+        ([_o("slow", 8, 50.0), _o("fast", 8, 100.0)], 8, ["fast", "slow"], [(0, 9), (9, 10)]),
+        # a fast node with 0.5 GB takes the one stage that fits it and pays most: the lm_head
+        ([_o("fast", 0.5, 400.0), _o("big", 8, 100.0)], 8, ["big", "fast"], [(0, 9), (9, 10)]),
+        # a paused node is never used; a limited one counts at half speed
+        ([_o("p", 8, 500.0, "paused"), _o("a", 8)], 8, ["a"], [(0, 10)]),
+        ([_o("lim", 8, 150.0, "limited"), _o("a", 8, 100.0)], 1, ["a"], [(0, 10)]),
+    ],
+)
+def test_plan_pipeline(offers: list[NodeOffer], streams: int, nodes: list[str], ranges: list[tuple[int, int]]) -> None:
+    plan = plan_pipeline(FP, offers, streams=streams, hop_s=0.001)
+    assert plan.nodes == nodes
+    assert plan.ranges == ranges
+    by_node = {o.node: o for o in offers}
+    assert all(s.mem_bytes <= by_node[s.node].mem_free for s in plan.stages)
+    assert plan.ranges[0][0] == 0 and plan.ranges[-1][1] == 10
+
+
+def test_plan_declines_and_says_what_is_missing() -> None:
+    with pytest.raises(PlanError, match=r"needs 1\.5 GB, cluster offers 0\.8 GB over 2 node\(s\)"):
+        plan_pipeline(FP, [_o("a", 0.4), _o("b", 0.4), _o("p", 64, state="paused")])
+    with pytest.raises(PlanError, match="no node is available"):
+        plan_pipeline(FP, [_o("p", 64, state="paused")])
+
+
+def test_footprint_of_a_real_config() -> None:
+    from types import SimpleNamespace
+
+    qwen05 = SimpleNamespace(
+        hidden_size=896, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
+        num_hidden_layers=24, vocab_size=151936, head_dim=64,
+    )
+    fp = footprint(qwen05, "int4", streams=1, context=1024)
+    weights = 24 * fp.layer_bytes + fp.head_bytes
+    assert 200 * MB < weights < 400 * MB  # Qwen2.5-0.5B at INT4: about 0.3 GB of weights
+    assert fp.head_bytes > 5 * fp.layer_bytes  # its lm_head weighs as much as several layers
