@@ -27,6 +27,10 @@ def add_parsers(sub: Any, port_type: Any, positive_int: Any) -> None:
     ag.add_argument(
         "--standalone", action="store_true", help="no discovery or election: serve the stage a 'serve' command assigns"
     )
+    ag.add_argument("--serve-model", help="when elected coordinator, serve this model (name or path)")
+    ag.add_argument("--serve-weights", choices=["fp32", "fp16", "int8", "int4"], help="its weight format")
+    ag.add_argument("--serve-api-port", type=port_type, help="the coordinator's API port on 127.0.0.1 (8000)")
+    ag.add_argument("--serve-exact", action="store_true", help="f32 activations, KV and wire (parity checks)")
     ag.add_argument("--device", default="AUTO", help="AUTO (GPU if present, else CPU), CPU, GPU or NPU")
     ag.add_argument("--threads", type=positive_int, help="CPU inference threads")
     ag.add_argument(
@@ -51,6 +55,10 @@ def run_agent(args: argparse.Namespace) -> int:
             cluster_id=check_cluster_id(args.cluster) if args.cluster else None,
             static_peers=peers,
             mdns=False if args.no_mdns else None,
+            serve_model=args.serve_model,
+            serve_weights=args.serve_weights,
+            serve_api_port=args.serve_api_port,
+            serve_exact=True if args.serve_exact else None,
         )
     except ConfigError as e:
         raise AgentCliError(str(e)) from None
@@ -149,6 +157,16 @@ def format_status(node: dict[str, Any], cluster: dict[str, Any]) -> str:
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     for r in [head, *rows]:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    sv = cluster.get("services")
+    if sv:
+        lines.append(f"coordinator services: {sv['state']} {sv['model']}" + (f", API {sv['api']}" if sv["api"] else ""))
+        for i, st in enumerate(sv["plan"]):
+            a, b = st["layers"]
+            lines.append(f"  stage {i}: layers {a}..{b - 1} on {st['node']} ({st['address']})")
+        if sv["error"]:
+            lines.append(f"  error: {sv['error']}")
+        for r in sv["recoveries"]:
+            lines.append(f"  recovered from losing {r['lost']} in {r['seconds']}s (term {r['term']})")
     hist = cluster.get("history", [])
     if hist:
         last = hist[-1]

@@ -13,6 +13,11 @@ halfway through start-up. Example::
       preferred: ["3f2a..."]             # node ids an admin pins as coordinator, best first
       exclude: ["9c1d..."]               # node ids that must never coordinate
       min_coordinator_memory_gb: 2.0
+    serve:                               # what the elected coordinator serves (none: no model)
+      model: smollm2-135m                # a store name, or a path to a GGUF / HF directory
+      weights: int8
+      api_port: 8000                     # OpenAI-compatible API, 127.0.0.1 on the coordinator
+      streams: 4
 """
 
 from __future__ import annotations
@@ -45,6 +50,11 @@ class Settings:
     exclude: frozenset[str] = field(default_factory=frozenset)
     min_coordinator_memory: int = 2 * 1024**3
     interface: str | None = None  # the address to advertise (default: every interface's)
+    serve_model: str | None = None
+    serve_weights: str | None = None  # None: the model's default
+    serve_api_port: int = 8000
+    serve_streams: int = 4
+    serve_exact: bool = False  # f32 activations, KV and wire (for parity checks)
 
     def with_overrides(self, **kw: Any) -> Settings:
         return replace(self, **{k: v for k, v in kw.items() if v is not None})
@@ -92,7 +102,8 @@ def _section(d: dict[str, Any], key: str) -> dict[str, Any]:
     return v
 
 
-KNOWN = {"cluster_id", "port", "api_port", "discovery", "election", "interface"}
+KNOWN = {"cluster_id", "port", "api_port", "discovery", "election", "interface", "serve"}
+WEIGHTS = ("fp32", "fp16", "int8", "int4")
 
 
 def parse(d: Any) -> Settings:
@@ -103,7 +114,14 @@ def parse(d: Any) -> Settings:
     unknown = set(d) - KNOWN
     if unknown:
         raise ConfigError(f"unknown setting(s): {', '.join(sorted(map(str, unknown)))}")
-    disc, elec = _section(d, "discovery"), _section(d, "election")
+    disc, elec, serve = _section(d, "discovery"), _section(d, "election"), _section(d, "serve")
+    model, weights, streams = serve.get("model"), serve.get("weights"), serve.get("streams", 4)
+    if model is not None and (not isinstance(model, str) or not model):
+        raise ConfigError("serve.model: must be a model name or a path")
+    if weights is not None and weights not in WEIGHTS:
+        raise ConfigError(f"serve.weights: must be one of {', '.join(WEIGHTS)}")
+    if isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= 256:
+        raise ConfigError(f"serve.streams: {streams!r} is not a number of streams (1-256)")
     mdns = disc.get("mdns", True)
     if not isinstance(mdns, bool):
         raise ConfigError("discovery.mdns: must be true or false")
@@ -126,6 +144,10 @@ def parse(d: Any) -> Settings:
         exclude=frozenset(_nodes(elec.get("exclude"), "election.exclude")),
         min_coordinator_memory=int(mem * 1024**3),
         interface=iface,
+        serve_model=model,
+        serve_weights=weights,
+        serve_api_port=_port(serve, "api_port", 8000),
+        serve_streams=streams,
     )
 
 

@@ -30,7 +30,7 @@ from aiohttp import web
 from agent import __version__
 from agent.config import Settings
 from agent.discovery import MIB, Advert, Discovery
-from agent.election import Timing
+from agent.election import Role, Timing
 from agent.elector import Elector, LocalNode
 from agent.identity import TermStore, node_id
 from agent.paths import log_dir
@@ -75,6 +75,7 @@ class AgentDaemon:
         self._advertised: Advert | None = None
         self._runners: list[web.AppRunner] = []
         self._tasks: list[asyncio.Task[None]] = []
+        self.services: Any = None  # coordinator.role.CoordinatorRole while this node coordinates
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def async_start(self) -> None:
@@ -99,6 +100,8 @@ class AgentDaemon:
                 self._advertised = self.advert()
         self._tasks.append(asyncio.create_task(self._probe()))
         self._tasks.append(asyncio.create_task(self._refresh()))
+        if self.elector is not None and self.settings.serve_model:
+            self._tasks.append(asyncio.create_task(self._coordinate()))
 
     async def _serve(self, app: web.Application, host: str, port: int) -> int:
         """Serve ``app``; returns the port it got (``port`` 0: any free one)."""
@@ -111,6 +114,8 @@ class AgentDaemon:
     async def async_shutdown(self) -> None:
         for t in self._tasks:
             t.cancel()
+        if self.services is not None:
+            await self.services.async_stop()
         if self.discovery is not None:
             await self.discovery.async_close()  # says goodbye
         if self.elector is not None:
@@ -143,6 +148,57 @@ class AgentDaemon:
                 with contextlib.suppress(Exception):
                     await self.discovery.async_update()
                 self._advertised = ad
+
+    async def _coordinate(self) -> None:
+        """Run the coordinator's services while this node is the elected coordinator."""
+        from coordinator.role import CoordinatorRole
+
+        e = self.elector
+        assert e is not None
+        while True:
+            await asyncio.sleep(0.25)
+            leading = e.role is Role.COORDINATOR
+            term = self.store.state.term
+            if self.services is not None and (not leading or self.services.term != term):
+                log.info("coordinator services stop (term %d)", self.services.term)
+                await self.services.async_stop()
+                self.services = None
+            if leading and self.services is None:
+                s = self.settings
+                self.services = CoordinatorRole(
+                    model=str(s.serve_model),
+                    weights=s.serve_weights,
+                    api_port=s.serve_api_port,
+                    streams=s.serve_streams,
+                    exact=s.serve_exact,
+                    term=term,
+                    my_address=f"{self._my_ip()}:{self.me.port}",
+                    members=self._members,
+                )
+                self.services.start()
+
+    def _my_ip(self) -> str:
+        from agent.discovery import local_addresses
+
+        ips = local_addresses(self.settings.interface)
+        return ips[0] if ips else "127.0.0.1"
+
+    def _members(self) -> list[Any]:
+        from coordinator.planner import NodeOffer
+        from coordinator.role import Member
+
+        e = self.elector
+        assert e is not None
+        me = self.me
+        out = [Member(NodeOffer(me.node, me.mem_free(), max(me.score, 1.0), me.state), f"{self._my_ip()}:{me.port}")]
+        now = time.monotonic()
+        for p in e.peers.values():
+            b = p.beat
+            if b is None or now - p.last_heard >= e.timing.peer_timeout_s:
+                continue
+            offer = NodeOffer(p.node, b.mem_free, max(b.score, 1.0), b.state)
+            out.append(Member(offer, f"{p.addr[0]}:{b.port}"))
+        return out
 
     def advert(self) -> Advert:
         m = self.me
@@ -182,7 +238,9 @@ class AgentDaemon:
     def cluster_status(self) -> dict[str, Any]:
         if self.elector is None:
             return {"node": self.node, "role": "standalone", "peers": [], "coordinator": None, "term": 0}
-        return self.elector.status()
+        st = self.elector.status()
+        st["services"] = self.services.status() if self.services is not None else None
+        return st
 
 
 DAEMON = web.AppKey("daemon", AgentDaemon)

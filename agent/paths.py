@@ -45,14 +45,20 @@ def log_dir() -> Path:
     return p
 
 
+def _shared_cache() -> Path:
+    """Models and exports may live in a cache shared by several agents (LAKESHARD_SHARED_CACHE)."""
+    v = os.environ.get("LAKESHARD_SHARED_CACHE")
+    return Path(v).expanduser() if v else cache_dir()
+
+
 def models_dir() -> Path:
-    p = cache_dir() / "models"
+    p = _shared_cache() / "models"
     p.mkdir(parents=True, exist_ok=True)
     return p
 
 
 def exports_dir() -> Path:
-    p = cache_dir() / "exports"
+    p = _shared_cache() / "exports"
     p.mkdir(parents=True, exist_ok=True)
     return p
 

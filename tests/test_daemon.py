@@ -51,8 +51,14 @@ async def test_status_api_pause_switch_and_fencing(isolated_home: Path) -> None:
 
         # an assignment from a term older than the election's is refused on the data plane
         assign = Assign(
-            term=0, export_id="x", stage=0, stages=1, manifest_sha256="0" * 64,
-            artifacts_url="http://127.0.0.1:1/", local_dir=None, next_hop="ws://127.0.0.1:1/ret",
+            term=0,
+            export_id="x",
+            stage=0,
+            stages=1,
+            manifest_sha256="0" * 64,
+            artifacts_url="http://127.0.0.1:1/",
+            local_dir=None,
+            next_hop="ws://127.0.0.1:1/ret",
         )
         async with http.ws_connect(f"ws://127.0.0.1:{d.me.port}/ws") as ws:
             await ws.send_bytes(encode(assign))

@@ -85,7 +85,10 @@ def test_killing_stage_agents_mid_generation_loses_no_text(smollm2, prompt, refe
     rng = random.Random()
     seed = rng.randrange(1 << 30)
     rng.seed(seed)
-    cases = [(stage, rng.randrange(lo, hi)) for stage, (lo, hi) in zip((1, 2, 0), ((5, 60), (60, 130), (130, 195)))]
+    cases = [
+        (stage, rng.randrange(lo, hi))
+        for stage, (lo, hi) in zip((1, 2, 0), ((5, 60), (60, 130), (130, 195)), strict=True)
+    ]
     for stage, step in cases:
         with LocalCluster(3) as c:
             out, recoveries, pause = _generate(smollm2, c, prompt, kill=(stage,), at=step)

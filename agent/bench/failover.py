@@ -82,8 +82,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         nonlocal term
         term += 10
         return ServeConfig(
-            nodes=nodes, model=model, opts=ExportOptions(weights=args.weights), exact=True,
-            wire_dtype="f32", api=False, quiet=True, term=term, max_streams=2,
+            nodes=nodes,
+            model=model,
+            opts=ExportOptions(weights=args.weights),
+            exact=True,
+            wire_dtype="f32",
+            api=False,
+            quiet=True,
+            term=term,
+            max_streams=2,
         )
 
     with LocalCluster(args.nodes) as c:
@@ -101,8 +108,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if pause is None:
             raise BenchError(f"trial {trial}: the generation did not continue after the kill")
         pauses.append(pause)
-        _say(f"trial {trial + 1}/{args.trials}: stage {stage} killed after token {at}: next token {pause:.2f}s later"
-             f"{'' if same else f', DIFFERENT text (lost {lo}, duplicated {du})'}")
+        _say(
+            f"trial {trial + 1}/{args.trials}: stage {stage} killed after token {at}: next token {pause:.2f}s later"
+            f"{'' if same else f', DIFFERENT text (lost {lo}, duplicated {du})'}"
+        )
     return {
         "trials": args.trials,
         "nodes": args.nodes,

@@ -64,6 +64,7 @@ class AgentLab:
         split: int | None = None,
         agent_args: Sequence[str] = (),
         log_dir: Path | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.lan = Lan(n, split)
         self.home_root, self.cluster, self.agent_args = home_root, cluster, list(agent_args)
@@ -71,6 +72,7 @@ class AgentLab:
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * n
         self.probes: list[subprocess.Popen[str] | None] = [None] * n
         self.homes = [home_root / f"node{i}" for i in range(n)]
+        self.env = env or {}
         self.spawned_at = [0.0] * n
 
     def __enter__(self) -> AgentLab:
@@ -89,7 +91,7 @@ class AgentLab:
         """Start node ``i``'s agent (``fresh``: with a new home, so a new node id)."""
         if fresh:
             self.homes[i] = self.home_root / f"node{i}-{time.monotonic_ns()}"
-        env = {**os.environ, "LAKESHARD_HOME": str(self.homes[i]), "PYTHONWARNINGS": "ignore"}
+        env = {**os.environ, "LAKESHARD_HOME": str(self.homes[i]), "PYTHONWARNINGS": "ignore", **self.env}
         cmd = [sys.executable, "-m", "agent", "agent", "--cluster", self.cluster, "--port", str(DATA_PORT)]
         cmd += ["--api-port", str(API_PORT), "--device", "CPU", "--threads", "1", *self.agent_args, *extra]
         log = open(self.log_dir / f"agent{i}.log", "ab")  # noqa: SIM115 (the child owns it)

@@ -1,0 +1,127 @@
+"""The elected coordinator's services inside the agent daemon: plan, assign, serve.
+
+When the local agent wins the election and the settings name a model to serve, this plans
+a split over the nodes it hears (capacity-aware: free memory, speed, throttle state), hands
+each agent its stage with the election's term (agents download only their own stage's files
+over HTTP, sha256-verified and cached by content hash), and serves the OpenAI-compatible API
+on 127.0.0.1. When the coordinator loses its role, the services stop. A node lost mid-way is
+handled by the coordinator's failover (re-plan, replay, continue).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from agent.export.exporter import ExportOptions
+from agent.models.registry import REGISTRY
+from agent.models.store import ModelStore
+from coordinator.planner import NodeOffer, Plan, footprint, plan_pipeline
+from coordinator.serve import Coordinator, ServeConfig
+
+log = logging.getLogger(__name__)
+SETTLE_S = 2.0  # after winning, let late peers' beats arrive before planning
+
+
+@dataclass(frozen=True)
+class Member:
+    offer: NodeOffer
+    address: str  # host:port of its stage server
+
+
+class CoordinatorRole:
+    def __init__(
+        self,
+        *,
+        model: str,
+        weights: str | None,
+        api_port: int,
+        streams: int,
+        exact: bool,
+        term: int,
+        my_address: str,
+        members: Any,  # () -> list[Member]: the nodes heard right now, this one included
+    ) -> None:
+        self.model_ref, self.weights, self.api_port = model, weights, api_port
+        self.streams, self.exact, self.term = streams, exact, term
+        self.my_address = my_address
+        self.members = members
+        self.coordinator: Coordinator | None = None
+        self.plan: Plan | None = None
+        self.addresses: dict[str, str] = {}
+        self.error: str | None = None
+        self.state = "planning"
+        self.started = time.time()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        try:
+            await asyncio.sleep(SETTLE_S)
+            loop = asyncio.get_running_loop()
+            model = await loop.run_in_executor(None, lambda: ModelStore().resolve(self.model_ref, quiet=True))
+            spec = REGISTRY.get(model.name)
+            weights = self.weights or (spec.default_weights if spec else "int4")
+            members: list[Member] = self.members()
+            fp = footprint(model.config(), weights, streams=self.streams)
+            self.plan = plan_pipeline(fp, [m.offer for m in members], streams=self.streams)
+            self.addresses = {m.offer.node: m.address for m in members}
+            nodes = [self.addresses[n] for n in self.plan.nodes]
+            log.info("plan: %s", ", ".join(f"{s.node} layers {s.start}..{s.end - 1}" for s in self.plan.stages))
+            self.state = "assigning"
+            host = self.my_address.rpartition(":")[0]
+            cfg = ServeConfig(
+                nodes=nodes,
+                model=model,
+                opts=ExportOptions(weights=weights),
+                split=[s.start for s in self.plan.stages[1:]],
+                api_port=self.api_port,
+                data_host="0.0.0.0",
+                advertise_host=host,
+                max_streams=self.streams,
+                term=self.term,
+                quiet=True,
+                ship_artifacts=True,
+                exact=self.exact,
+                wire_dtype="f32" if self.exact else "f16",
+            )
+            self.coordinator = Coordinator(cfg)
+            await self.coordinator.async_start()
+            self.state = "serving"
+            log.info("serving %s on %d node(s); API %s/v1", model.name, len(nodes), self.coordinator.api_url)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.state, self.error = "failed", str(e)
+            log.error("cannot form the pipeline: %s", e)
+
+    def status(self) -> dict[str, Any]:
+        c = self.coordinator
+        stages = []
+        if self.plan is not None:
+            for s in self.plan.stages:
+                stages.append({"node": s.node, "address": self.addresses.get(s.node), "layers": [s.start, s.end]})
+        return {
+            "state": self.state,
+            "model": self.model_ref,
+            "term": self.term,
+            "plan": stages,
+            "api": f"{c.api_url}/v1" if c is not None and c.api_url else None,
+            "recoveries": list(c.recoveries) if c is not None else [],
+            "error": self.error,
+        }
+
+    async def async_stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        if self.coordinator is not None:
+            await self.coordinator.async_stop()
+            self.coordinator = None
