@@ -24,6 +24,7 @@ def add_parsers(sub: Any, port_type: Any, positive_int: Any) -> None:
     ag.add_argument("--cluster", help="cluster id (default: settings, else 'default')")
     ag.add_argument("--static-peers", help="host:port,... to reach where multicast is blocked")
     ag.add_argument("--no-mdns", action="store_true", help="do not use multicast DNS (static peers only)")
+    ag.add_argument("--interface", help="the IP address to advertise and to be reached on (default: all)")
     ag.add_argument(
         "--standalone", action="store_true", help="no discovery or election: serve the stage a 'serve' command assigns"
     )
@@ -55,6 +56,7 @@ def run_agent(args: argparse.Namespace) -> int:
             cluster_id=check_cluster_id(args.cluster) if args.cluster else None,
             static_peers=peers,
             mdns=False if args.no_mdns else None,
+            interface=args.interface,
             serve_model=args.serve_model,
             serve_weights=args.serve_weights,
             serve_api_port=args.serve_api_port,

@@ -190,14 +190,20 @@ class AgentDaemon:
         e = self.elector
         assert e is not None
         me = self.me
-        out = [Member(NodeOffer(me.node, me.mem_free(), max(me.score, 1.0), me.state), f"{self._my_ip()}:{me.port}")]
+        out = [
+            Member(
+                NodeOffer(me.node, me.mem_free(), max(me.score, 1.0), me.state),
+                f"{self._my_ip()}:{me.port}",
+                me.score > 0,
+            )
+        ]
         now = time.monotonic()
         for p in e.peers.values():
             b = p.beat
             if b is None or now - p.last_heard >= e.timing.peer_timeout_s:
                 continue
             offer = NodeOffer(p.node, b.mem_free, max(b.score, 1.0), b.state)
-            out.append(Member(offer, f"{p.addr[0]}:{b.port}"))
+            out.append(Member(offer, f"{p.addr[0]}:{b.port}", b.score > 0))
         return out
 
     def advert(self) -> Advert:

@@ -1,64 +1,91 @@
-"""``lakeshard demo`` (what ``make run`` runs): a local cluster of agent processes answers a chat."""
+"""``lakeshard demo`` (what ``make run`` runs): a local cluster forms itself and answers a chat.
+
+Agent processes start on this machine (each pinned to its own cores where there are enough),
+find each other (loopback peers: multicast is not dependable on loopback), elect a
+coordinator, which plans the model over them, hands out the stages and serves the API; then
+one chat is streamed through it. Nobody types an address.
+"""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import json
 import os
 import sys
 import time
+import urllib.error
+import urllib.request
+import uuid
+from typing import Any
 
-from agent import aio
-from agent.export.exporter import ExportOptions, export_model
 from agent.models.registry import REGISTRY
 from agent.models.store import ModelStore
 from coordinator.chat_client import stream_chat
-from coordinator.local_cluster import LocalCluster
-from coordinator.serve import Coordinator, ServeConfig, plan_ranges
+from coordinator.local_cluster import LocalCluster, free_port
+
+FORM_TIMEOUT_S = 900.0  # the first run exports the model
+
+
+def _get(port: int, path: str) -> dict[str, Any] | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as r:
+            out: dict[str, Any] = json.loads(r.read())
+            return out
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
 def run_demo(args: argparse.Namespace) -> int:
     model = ModelStore().resolve(args.model)
     spec = REGISTRY.get(model.name)
-    opts = ExportOptions(weights=args.weights or (spec.default_weights if spec else "int4"), group_size=args.group_size)
-    export_model(model, plan_ranges(model, args.nodes, None), opts)  # before the agents start
+    weights = args.weights or (spec.default_weights if spec else "int4")
     ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     per = max(1, ncpu // args.nodes)
     cores = [list(range(i * per, (i + 1) * per)) for i in range(args.nodes)] if ncpu >= args.nodes else None
-    print(f"starting {args.nodes} agent processes" + (f", {per} core(s) each" if cores else ""), file=sys.stderr)
-    with LocalCluster(args.nodes, cores=cores) as cluster:
-        cfg = ServeConfig(nodes=cluster.nodes, model=model, opts=opts, api_port=0, quiet=True)
-        return aio.run(_ask(cfg, args))
+    api_port = free_port()
+    elect = ["--cluster", f"demo-{uuid.uuid4().hex[:8]}", "--serve-model", args.model, "--serve-weights", weights]
+    elect += ["--serve-api-port", str(api_port)]
+    _say(f"starting {args.nodes} agent processes" + (f", {per} core(s) each" if cores else ""))
+    with LocalCluster(args.nodes, cores=cores, elect=elect) as cluster:
+        sv = _wait_for_pipeline(cluster)
+        url = f"http://127.0.0.1:{api_port}"
+        _say(f"coordinator API: {url}/v1\n\n> {args.prompt}\n")
+        t0, n = time.monotonic(), 0
+        msgs = [{"role": "user", "content": args.prompt}]
+        for d in stream_chat(url, msgs, max_tokens=args.max_tokens, temperature=0.0):
+            n += 1
+            sys.stdout.write(d)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        _say(f"[{n} chunks in {time.monotonic() - t0:.1f}s through {len(sv['plan'])} stage(s)]")
+    return 0
 
 
-async def _ask(cfg: ServeConfig, args: argparse.Namespace) -> int:
-    coord = Coordinator(cfg)
-    try:
-        await coord.async_start()
-        assert coord.export is not None
-        for i, man in enumerate(coord.export.manifests):
-            layers = man["stage"]
-            print(
-                f"stage {i}: layers {layers['layer_start']}..{layers['layer_end'] - 1} on agent {cfg.nodes[i]}",
-                file=sys.stderr,
-            )
-        print(f"coordinator API: {coord.api_url}/v1\n\n> {args.prompt}\n", file=sys.stderr)
-        loop = asyncio.get_running_loop()
-        t0 = time.monotonic()
-        n = 0
-
-        def ask() -> None:
-            nonlocal n
-            for d in stream_chat(
-                coord.api_url, [{"role": "user", "content": args.prompt}], max_tokens=args.max_tokens, temperature=0.0
-            ):
-                n += 1
-                sys.stdout.write(d)
-                sys.stdout.flush()
-            sys.stdout.write("\n")
-
-        await loop.run_in_executor(None, ask)
-        print(f"[{n} chunks in {time.monotonic() - t0:.1f}s through {len(cfg.nodes)} stages]", file=sys.stderr)
-        return 0
-    finally:
-        await coord.async_stop()
+def _wait_for_pipeline(cluster: LocalCluster) -> dict[str, Any]:
+    deadline = time.monotonic() + FORM_TIMEOUT_S
+    said: set[str] = set()
+    while time.monotonic() < deadline:
+        for port in cluster.api_ports:
+            c = _get(port, "/v1/cluster")
+            if not c or c.get("role") != "coordinator":
+                continue
+            if "elected" not in said:
+                said.add("elected")
+                _say(f"agent {c['node']} elected coordinator (term {c['term']}); planning and assigning the stages")
+            sv = c.get("services") or {}
+            if sv.get("state") == "failed":
+                raise RuntimeError(f"the coordinator could not form the pipeline: {sv.get('error')}")
+            if sv.get("state") == "serving":
+                for i, st in enumerate(sv["plan"]):
+                    a, b = st["layers"]
+                    _say(f"stage {i}: layers {a}..{b - 1} on agent {st['node']} ({st['address']})")
+                return dict(sv)
+        for p in cluster.procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"an agent exited with status {p.returncode}")
+        time.sleep(0.3)
+    raise RuntimeError(f"no pipeline formed within {FORM_TIMEOUT_S:.0f}s")

@@ -10,10 +10,13 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+
+from agent import paths
 
 
 def free_port() -> int:
@@ -32,7 +35,10 @@ class LocalCluster:
         device: str | None = None,
         env: dict[str, str] | None = None,
         log_dir: Path | None = None,
+        elect: Sequence[str] | None = None,
     ) -> None:
+        """``elect``: run full agents (election, no multicast, loopback peers) with these extra
+        arguments, instead of standalone stage servers driven by a ``serve`` coordinator."""
         if cores is not None and len(cores) != n:
             raise ValueError("one core set per agent")
         self.n = n
@@ -42,17 +48,27 @@ class LocalCluster:
         self.env = env or {}
         self.log_dir = log_dir
         self.ports: list[int] = []
+        self.api_ports: list[int] = []
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.elect = elect
+        self._homes: tempfile.TemporaryDirectory[str] | None = None
 
     @property
     def nodes(self) -> list[str]:
         return [f"127.0.0.1:{p}" for p in self.ports]
 
     def start(self, timeout: float = 60.0) -> LocalCluster:
+        ports = [free_port() for _ in range(self.n)]
+        self.api_ports = [free_port() for _ in range(self.n)] if self.elect is not None else []
         for i in range(self.n):
-            port = free_port()
+            port = ports[i]
             cmd = [sys.executable, "-m", "agent", "agent", "--host", "127.0.0.1", "--port", str(port)]
-            cmd += ["--standalone", "--api-port", "0"]
+            if self.elect is None:
+                cmd += ["--standalone", "--api-port", "0"]
+            else:
+                peers = ",".join(f"127.0.0.1:{p}" for p in ports)
+                cmd += ["--api-port", str(self.api_ports[i]), "--no-mdns", "--interface", "127.0.0.1"]
+                cmd += ["--static-peers", peers, *self.elect]
             threads = self.threads or (len(self.cores[i]) if self.cores else None)
             if threads:
                 cmd += ["--threads", str(threads)]
@@ -62,6 +78,12 @@ class LocalCluster:
                 cmd = ["taskset", "-c", ",".join(map(str, self.cores[i])), *cmd]
             out = open(self.log_dir / f"agent{i}.log", "wb") if self.log_dir else subprocess.DEVNULL  # noqa: SIM115
             env = {**os.environ, "PYTHONWARNINGS": "ignore", **self.env}
+            if self.elect is not None:
+                # each agent its own identity and term (like separate laptops); models and exports shared
+                if self._homes is None:
+                    self._homes = tempfile.TemporaryDirectory(prefix="lakeshard-agents-")
+                env["LAKESHARD_SHARED_CACHE"] = env.get("LAKESHARD_SHARED_CACHE") or str(paths.cache_dir())
+                env["LAKESHARD_HOME"] = str(Path(self._homes.name) / f"agent{i}")
             self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env))
             self.ports.append(port)
         deadline = time.monotonic() + timeout
@@ -93,6 +115,9 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        if self._homes is not None:
+            self._homes.cleanup()
+            self._homes = None
 
     def __enter__(self) -> LocalCluster:
         return self.start()

@@ -25,12 +25,14 @@ from coordinator.serve import Coordinator, ServeConfig
 
 log = logging.getLogger(__name__)
 SETTLE_S = 2.0  # after winning, let late peers' beats arrive before planning
+PROBE_WAIT_S = 20.0  # and give freshly started peers time to measure their speed
 
 
 @dataclass(frozen=True)
 class Member:
     offer: NodeOffer
     address: str  # host:port of its stage server
+    measured: bool = True  # its speed comes from its capacity probe (not a placeholder)
 
 
 class CoordinatorRole:
@@ -64,6 +66,9 @@ class CoordinatorRole:
     async def _run(self) -> None:
         try:
             await asyncio.sleep(SETTLE_S)
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < PROBE_WAIT_S and not all(m.measured for m in self.members()):
+                await asyncio.sleep(0.25)
             loop = asyncio.get_running_loop()
             model = await loop.run_in_executor(None, lambda: ModelStore().resolve(self.model_ref, quiet=True))
             spec = REGISTRY.get(model.name)
