@@ -7,12 +7,11 @@ processed in arrival order, which keeps each stream's steps in order.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
 import logging
-import shutil
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -57,17 +56,21 @@ class StageHost:
         self.errors = 0
         self.compute_s = 0.0  # time spent in inference (on the compute thread)
         self.recent_ms: collections.deque[float] = collections.deque(maxlen=256)
+        self.fetching: dict[str, Any] | None = None  # the stage file being downloaded, with progress
 
     # -- assignment --------------------------------------------------------------------------
     async def async_assign(self, msg: Assign) -> Assigned:
         if msg.term < self.term_seen:
             raise ProtocolError("stale_term", f"assignment of term {msg.term} refused: term {self.term_seen} seen")
-        self.term_seen = msg.term
         t0 = time.monotonic()
         stage_dir = await self._artifacts(msg)
         stage = await self.compute.async_run(self._compile, stage_dir, msg.exact)
         if stage.index != msg.stage or stage.count != msg.stages:
             raise ProtocolError("bad_artifact", f"artifacts are stage {stage.index}/{stage.count}, not {msg.stage}")
+        if msg.term < self.term_seen:  # a newer coordinator assigned meanwhile
+            raise ProtocolError("stale_term", f"assignment of term {msg.term} refused: term {self.term_seen} seen")
+        # only a good assignment moves the term on: a bad one leaves the agent as it was
+        self.term_seen = msg.term
         self.stage, self.assignment = stage, msg
         self.streams.clear()
         self._free.clear()
@@ -87,25 +90,47 @@ class StageHost:
         if (dest / "manifest.json").is_file():
             return dest
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".fetch-", dir=dest.parent))
+        # a fetch cut short (agent restarted, link lost) resumes from what is already here
+        part = dest.parent / f".partial-{msg.manifest_sha256[:32]}"
+        part.mkdir(exist_ok=True)
         try:
             async with aiohttp.ClientSession() as s:
                 base = msg.artifacts_url.rstrip("/")
-                await _download(s, f"{base}/manifest.json", tmp / "manifest.json")
-                if sha256_file(tmp / "manifest.json") != msg.manifest_sha256:
+                (part / "manifest.json").unlink(missing_ok=True)
+                await self._fetch(s, f"{base}/manifest.json", part / "manifest.json")
+                if await asyncio.to_thread(sha256_file, part / "manifest.json") != msg.manifest_sha256:
                     raise ProtocolError("bad_artifact", "manifest hash does not match the assignment")
-                manifest = json.loads((tmp / "manifest.json").read_text())
+                manifest = json.loads((part / "manifest.json").read_text())
                 for name in STAGE_FILES:
-                    await _download(s, f"{base}/{name}", tmp / name)
-                    if sha256_file(tmp / name) != manifest["files"][name]["sha256"]:
+                    await self._fetch(s, f"{base}/{name}", part / name)
+                    if await asyncio.to_thread(sha256_file, part / name) != manifest["files"][name]["sha256"]:
+                        (part / name).unlink()
                         raise ProtocolError("bad_artifact", f"{name}: sha256 does not match the manifest")
             if not dest.exists():
-                tmp.rename(dest)
+                part.rename(dest)
             return dest
         except (aiohttp.ClientError, OSError, KeyError, ValueError) as e:
             raise ProtocolError("bad_artifact", f"cannot fetch the stage files from {msg.artifacts_url}: {e}") from e
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            self.fetching = None
+
+    async def _fetch(self, s: aiohttp.ClientSession, url: str, path: Path) -> None:
+        """GET ``url`` into ``path``, resuming a partial file with a Range request; progress in status."""
+        have = path.stat().st_size if path.exists() else 0
+        headers = {"Range": f"bytes={have}-"} if have else {}
+        async with s.get(url, headers=headers) as r:
+            if r.status == 416:  # nothing left to fetch: the file is whole (the hash decides)
+                return
+            if r.status not in (200, 206):
+                raise ProtocolError("bad_artifact", f"GET {url}: HTTP {r.status}")
+            if r.status == 200:
+                have = 0
+            total = have + (r.content_length or 0)
+            self.fetching = {"file": path.name, "bytes": have, "total": total, "resumed_from": have}
+            with path.open("ab" if have else "wb") as f:
+                async for chunk in r.content.iter_chunked(1 << 20):
+                    f.write(chunk)
+                    self.fetching["bytes"] += len(chunk)
 
     # -- frames (compute thread) -----------------------------------------------------------
     def check_term(self, term: int) -> None:
@@ -234,16 +259,8 @@ class StageHost:
             "compute_s": round(self.compute_s, 4),
             "step_ms_p50": round(statistics.median(self.recent_ms), 3) if self.recent_ms else None,
             "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
+            "fetching": self.fetching,
         }
 
     def shutdown(self) -> None:
         self.compute.shutdown()
-
-
-async def _download(s: aiohttp.ClientSession, url: str, dest: Path) -> None:
-    async with s.get(url) as r:
-        if r.status != 200:
-            raise ProtocolError("bad_artifact", f"GET {url}: HTTP {r.status}")
-        with dest.open("wb") as f:
-            async for chunk in r.content.iter_chunked(1 << 20):
-                f.write(chunk)

@@ -155,13 +155,15 @@ class Pipeline:
         if not self._closing:
             self.mark_lost(node)
 
-    def mark_lost(self, node: str) -> None:
-        """An agent is gone: every stream in flight fails with ``node_lost`` (the scheduler recovers)."""
+    def mark_lost(self, node: str, why: str | None = None) -> None:
+        """An agent is gone (or the plan moved on): every stream in flight fails with ``node_lost``,
+        which the scheduler answers by replaying the stream on the current pipeline."""
         if self.lost is not None:
             return
         self.lost = node
-        log.warning("lost the agent at %s", node)
-        err = PipelineError(f"the agent at {node} is gone", "node_lost")
+        why = why or f"the agent at {node} is gone"
+        log.warning("pipeline stopped: %s", why)
+        err = PipelineError(why, "node_lost")
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(err)

@@ -20,12 +20,13 @@ from typing import Any
 from agent.export.exporter import ExportOptions
 from agent.models.registry import REGISTRY
 from agent.models.store import ModelStore
-from coordinator.planner import NodeOffer, Plan, footprint, plan_pipeline
+from coordinator.planner import NodeOffer, Plan, PlanError, footprint, plan_pipeline
 from coordinator.serve import Coordinator, ServeConfig
 
 log = logging.getLogger(__name__)
 SETTLE_S = 2.0  # after winning, let late peers' beats arrive before planning
 PROBE_WAIT_S = 20.0  # and give freshly started peers time to measure their speed
+WATCH_S = 2.0  # how often membership is compared with the plan
 
 
 @dataclass(frozen=True)
@@ -100,11 +101,40 @@ class CoordinatorRole:
             await self.coordinator.async_start()
             self.state = "serving"
             log.info("serving %s on %d node(s); API %s/v1", model.name, len(nodes), self.coordinator.api_url)
+            await self._watch(fp, _membership(members))
         except asyncio.CancelledError:
             raise
         except Exception as e:
             self.state, self.error = "failed", str(e)
             log.error("cannot form the pipeline: %s", e)
+
+    async def _watch(self, fp: Any, seen: frozenset[tuple[str, str]]) -> None:
+        """Re-plan when nodes join, leave or change throttle state (between steps; see async_replan)."""
+        assert self.coordinator is not None and self.plan is not None
+        while True:
+            await asyncio.sleep(WATCH_S)
+            members: list[Member] = self.members()
+            now = _membership(members)
+            if now == seen:
+                continue
+            left_only = now < seen  # departures are the failover's job (it re-plans when a stage is lost)
+            seen = now
+            if left_only:
+                continue
+            try:
+                plan = plan_pipeline(fp, [m.offer for m in members], streams=self.streams)
+            except PlanError as e:
+                log.warning("membership changed but no plan fits: %s", e)
+                continue
+            if (plan.nodes, plan.ranges) == (self.plan.nodes, self.plan.ranges):
+                continue
+            self.addresses.update({m.offer.node: m.address for m in members})
+            log.info("re-planning: %s", ", ".join(f"{s.node} layers {s.start}..{s.end - 1}" for s in plan.stages))
+            self.state = "re-planning"
+            await self.coordinator.async_replan(
+                [self.addresses[n] for n in plan.nodes], [s.start for s in plan.stages[1:]]
+            )
+            self.plan, self.state = plan, "serving"
 
     def status(self) -> dict[str, Any]:
         c = self.coordinator
@@ -119,6 +149,7 @@ class CoordinatorRole:
             "plan": stages,
             "api": f"{c.api_url}/v1" if c is not None and c.api_url else None,
             "recoveries": list(c.recoveries) if c is not None else [],
+            "replans": list(c.replans) if c is not None else [],
             "error": self.error,
         }
 
@@ -130,3 +161,7 @@ class CoordinatorRole:
         if self.coordinator is not None:
             await self.coordinator.async_stop()
             self.coordinator = None
+
+
+def _membership(members: list[Member]) -> frozenset[tuple[str, str]]:
+    return frozenset((m.offer.node, m.offer.state) for m in members)

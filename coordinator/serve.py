@@ -110,6 +110,8 @@ class Coordinator:
         self._host = ""
         self._data_port = 0
         self._spare: asyncio.Task[None] | None = None
+        self.nodes = list(cfg.nodes)  # the agents of the current plan
+        self.replans: list[dict[str, object]] = []
         self._export_lock = asyncio.Lock()  # one export at a time (the fallback and a recovery share folders)
 
     async def async_start(self) -> None:
@@ -205,6 +207,26 @@ class Coordinator:
             raise
         return pipeline
 
+    async def async_replan(self, nodes: Sequence[str], split: Sequence[int] | None = None) -> None:
+        """Move to a new plan (a node joined, paused or came back) without dropping any stream.
+
+        The new pipeline is built and assigned in a new term; agents it shares with the old one
+        then refuse the old term, so every stream in flight stops after its current step and
+        replays on the new pipeline: the plan changes only between steps, and no token is lost.
+        """
+        async with self._recover_lock:
+            old = self.pipeline
+            t0 = time.monotonic()
+            self.term += 1
+            new = await self._build(nodes, split)
+            self.pipeline, self.nodes = new, list(nodes)
+            if self.scheduler is not None:
+                self.scheduler.set_pipeline(new)
+            self.replans.append({"nodes": list(nodes), "term": self.term, "seconds": round(time.monotonic() - t0, 3)})
+            if old is not None:
+                old.mark_lost("-", f"re-planned onto {len(nodes)} node(s) in term {self.term}")
+                await old.async_close()
+
     async def _prepare_fallback(self, n: int) -> None:
         cfg = self.cfg
         try:
@@ -226,8 +248,8 @@ class Coordinator:
             if self.pipeline is not failed:
                 return  # already replaced
             t0 = time.monotonic()
-            live = [n for n in self.cfg.nodes if await _reachable(n)]
-            log.warning("re-planning over %d of %d agents after losing %s", len(live), len(self.cfg.nodes), failed.lost)
+            live = [n for n in self.nodes if await _reachable(n)]
+            log.warning("re-planning over %d of %d agents after losing %s", len(live), len(self.nodes), failed.lost)
             if not live:
                 raise PipelineError("no agent is reachable any more", "cluster_lost")
             if len(live) > self.cfg.model.num_layers:
@@ -237,7 +259,7 @@ class Coordinator:
                 new = await self._build(live)
             except (PipelineError, PlanError, OSError) as e:
                 raise PipelineError(f"the remaining agents cannot carry the model: {e}", "cluster_lost") from e
-            self.pipeline = new
+            self.pipeline, self.nodes = new, live
             assert self.scheduler is not None
             self.scheduler.set_pipeline(new)
             self.recoveries.append(

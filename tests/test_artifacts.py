@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -44,7 +45,7 @@ def test_agents_download_verify_and_cache_their_stage(smollm2, tmp_path: Path, w
 
         async def bad_assign() -> Error:
             msg = Assign(
-                term=1,
+                term=50,  # a newer term, but bad files: refused, and the term is not taken
                 export_id="x",
                 stage=0,
                 stages=2,
@@ -61,7 +62,50 @@ def test_agents_download_verify_and_cache_their_stage(smollm2, tmp_path: Path, w
 
         err = asyncio.run(bad_assign())
         assert err.code == "bad_artifact"
+        with urllib.request.urlopen(f"http://{served.nodes[0]}/v1/node", timeout=10) as r:
+            assert json.loads(r.read())["stage"]["term_seen"] == 1
         # the agent kept its stage: the pipeline still answers, identically
         assert _chat(served, PROMPTS[0], max_tokens=32, temperature=0) == text
     finally:
         served.stop()
+
+
+async def test_an_interrupted_download_resumes_where_it_stopped(tmp_path: Path) -> None:
+    """The agent asks only for the missing bytes (HTTP Range) and reports its progress."""
+    from aiohttp import web
+
+    from agent.stage_host import StageHost
+
+    blob = bytes(range(256)) * 4096  # 1 MiB
+    (tmp_path / "model.bin").write_bytes(blob)
+    ranges: list[str | None] = []
+
+    async def serve(request: web.Request) -> web.StreamResponse:
+        ranges.append(request.headers.get("Range"))
+        return web.FileResponse(tmp_path / "model.bin")
+
+    app = web.Application()
+    app.router.add_get("/model.bin", serve)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = runner.addresses[0][1]
+    host = StageHost(device="CPU")
+    part = tmp_path / "partial.bin"
+    part.write_bytes(blob[:300_000])  # what arrived before the link dropped
+    try:
+        async with aiohttp.ClientSession() as s:
+            await host._fetch(s, f"http://127.0.0.1:{port}/model.bin", part)
+            assert part.read_bytes() == blob
+            assert ranges == ["bytes=300000-"]
+            assert host.fetching == {
+                "file": "partial.bin",
+                "bytes": len(blob),
+                "total": len(blob),
+                "resumed_from": 300_000,
+            }
+            await host._fetch(s, f"http://127.0.0.1:{port}/model.bin", part)  # already whole: nothing more
+            assert part.read_bytes() == blob
+    finally:
+        host.shutdown()
+        await runner.cleanup()

@@ -101,3 +101,31 @@ def test_losing_every_agent_ends_the_request_with_a_clear_error(smollm2, prompt)
     with LocalCluster(2) as c, pytest.raises(PipelineError, match="no agent is reachable") as e:
         _generate(smollm2, c, prompt, kill=(0, 1), at=10)
     assert e.value.code == "cluster_lost"
+
+
+def test_a_node_joining_mid_stream_changes_the_plan_between_steps(smollm2, prompt, reference) -> None:  # type: ignore[no-untyped-def]
+    """Start on two agents; a third joins at token 40 and the coordinator re-plans onto all three.
+    Streams in flight move to the new plan between two steps; the text is the same."""
+
+    async def main(c: LocalCluster) -> tuple[list[int], Coordinator]:
+        coord = Coordinator(_cfg(smollm2, c.nodes[:2]))
+        await coord.async_start()
+        try:
+            assert coord.scheduler is not None
+            out: list[int] = []
+            task = None
+            async for tok in coord.scheduler.async_generate(GenRequest(prompt=prompt, max_tokens=TOKENS)):
+                out.append(tok)
+                if len(out) == 40:
+                    task = asyncio.create_task(coord.async_replan(c.nodes))
+            assert task is not None
+            await task
+            return out, coord
+        finally:
+            await coord.async_stop()
+
+    with LocalCluster(3) as c:
+        out, coord = aio.run(main(c))
+    assert out == reference
+    assert coord.nodes == c.nodes and len(coord.replans) == 1 and coord.recoveries == []
+    assert coord.scheduler is not None and coord.scheduler.replays >= 1
