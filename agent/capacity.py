@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import platform
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -153,17 +152,7 @@ def _load_cache(path: Path) -> dict[str, dict[str, Any]]:
 
 
 def _write_cache(path: Path, entries: dict[str, dict[str, Any]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump({"version": CACHE_VERSION, "devices": entries}, f, indent=2, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    paths.write_json_atomic(path, {"version": CACHE_VERSION, "devices": entries}, indent=2, sort_keys=True)
 
 
 def probe(

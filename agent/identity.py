@@ -9,34 +9,18 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
 
 from agent.election import TermState
-from agent.paths import state_dir
+from agent.paths import state_dir, write_json_atomic
 
 log = logging.getLogger(__name__)
 
 
 class StateError(RuntimeError):
     """The persisted state cannot be trusted; the agent must not start on it."""
-
-
-def _write_atomic(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _read(path: Path) -> dict[str, Any] | None:
@@ -57,7 +41,7 @@ def node_id(folder: Path | None = None) -> str:
     if d and isinstance(d.get("node_id"), str) and d["node_id"]:
         return str(d["node_id"])
     nid = uuid.uuid4().hex[:12]
-    _write_atomic(p, {"node_id": nid})
+    write_json_atomic(p, {"node_id": nid})
     log.info("new node id %s", nid)
     return nid
 
@@ -88,5 +72,5 @@ class TermStore:
         if ts.term < self.state.term:
             raise ValueError(f"term may not go back from {self.state.term} to {ts.term}")
         if self.persist:
-            _write_atomic(self.path, {"term": ts.term, "voted_for": ts.voted_for, "leader": ts.leader})
+            write_json_atomic(self.path, {"term": ts.term, "voted_for": ts.voted_for, "leader": ts.leader})
         self.state = ts

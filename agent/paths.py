@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import platformdirs
 
@@ -67,3 +70,18 @@ def compiled_cache_dir() -> Path:
     p = cache_dir() / "ov-compiled"
     p.mkdir(parents=True, exist_ok=True)
     return p
+
+
+def write_json_atomic(path: Path, data: Any, **dump: Any) -> None:
+    """Write JSON so that readers see the old file or the new one, never half of it (even after a crash)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, **dump)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
