@@ -19,6 +19,7 @@ from agent.bench import netns
 from agent.bench.lab import AgentLab, agreed
 from agent.paths import cache_dir
 from tests.conftest import PROMPTS
+from tests.figures import report
 from tests.test_pipeline import _reference
 
 pytestmark = pytest.mark.skipif(netns.available() is not None, reason=netns.available() or "")
@@ -70,6 +71,25 @@ def test_agents_form_a_pipeline_and_a_new_coordinator_takes_over(lab, whole_int8
         assert stage["assigned"] and stage["layers"] == st["layers"]
         fetched = list((lab.homes[i] / "cache" / "artifacts").iterdir())
         assert len(fetched) == 1 and (fetched[0] / "model.bin").is_file()
+
+    # pausing a stage's laptop (its user came back) moves the plan off it; answers stay the same
+    coord_node = lab.get(ci, "/v1/node")["node"]  # type: ignore[index]
+    others = [st["node"] for st in plan if st["node"] != coord_node]
+    if others:
+        pi = next(k for k in range(3) if (lab.get(k, "/v1/node") or {}).get("node") == others[0])
+        assert lab.post(pi, "/v1/node/state", {"state": "paused"}) is not None
+        deadline = time.monotonic() + 300
+        while True:
+            sv = lab.get(ci, "/v1/cluster")["services"]  # type: ignore[index]
+            if sv["replans"] and sv["state"] == "serving" and others[0] not in [st["node"] for st in sv["plan"]]:
+                break
+            assert time.monotonic() < deadline, sv
+            time.sleep(0.5)
+        r = _chat(lab, ci, PROMPTS[0], 48)
+        assert r["ok"], r
+        want = _reference(whole_int8, smollm2_tokenizer, PROMPTS[0], 48)
+        assert r["body"]["choices"][0]["message"]["content"] == want
+        report(f"self-forming: {len(plan)} stage(s); a paused stage node moved the plan to {len(sv['plan'])} stage(s)")
 
     # kill the coordinator while it generates: that request ends (its API died with it) ...
     outcome: list[dict[str, Any]] = []
