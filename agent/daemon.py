@@ -39,6 +39,13 @@ from agent.server import make_app
 from agent.stage_host import StageHost
 
 log = logging.getLogger(__name__)
+EPOCH_BITS = 20
+
+
+def data_term(election_term: int) -> int:
+    """The data-plane term of an election term: a coordinator re-plans (after a lost node) in
+    ``data_term(T) + 1``, ``+ 2`` ..., all below the next election's, so fencing holds across both."""
+    return election_term << EPOCH_BITS
 
 
 @dataclass(frozen=True)
@@ -58,7 +65,7 @@ class AgentDaemon:
         # standalone agents take their term from a 'serve' coordinator, not from an election
         self.store = TermStore(persist=not opts.standalone)
         self.host = StageHost(device=opts.device, threads=opts.threads, spin_ms=opts.spin_ms)
-        self.host.term_seen = self.store.state.term
+        self.host.term_seen = data_term(self.store.state.term)
         self.me = LocalNode(
             node=self.node,
             cluster=settings.cluster_id,
@@ -215,7 +222,7 @@ class AgentDaemon:
             self.elector.on_advert(ad.node, (ad.addresses[0], ad.port))
 
     def _on_term(self, term: int) -> None:
-        self.host.term_seen = max(self.host.term_seen, term)
+        self.host.term_seen = max(self.host.term_seen, data_term(term))
 
     # -- status ----------------------------------------------------------------------------------
     def node_status(self) -> dict[str, Any]:

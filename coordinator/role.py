@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from agent.daemon import data_term
 from agent.export.exporter import ExportOptions
 from agent.models.registry import REGISTRY
 from agent.models.store import ModelStore
@@ -91,7 +92,7 @@ class CoordinatorRole:
                 data_host="0.0.0.0",
                 advertise_host=host,
                 max_streams=self.streams,
-                term=self.term,
+                term=data_term(self.term),
                 quiet=True,
                 ship_artifacts=True,
                 exact=self.exact,
