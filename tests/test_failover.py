@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from agent import aio
+from agent.bench.failover import generate_with_kill
 from agent.export.exporter import ExportOptions
 from coordinator.local_cluster import LocalCluster
 from coordinator.pipeline import PipelineError
@@ -41,31 +42,12 @@ def _cfg(smollm2: Any, nodes: list[str]) -> ServeConfig:
     )
 
 
-def _generate(smollm2: Any, cluster: LocalCluster, prompt: tuple[int, ...], kill: tuple[int, ...] = (), at: int = -1):
-    """Generate TOKENS greedy tokens; after token ``at``, SIGKILL the agents at ``kill``."""
-
-    async def main() -> tuple[list[int], list[dict[str, object]], float | None]:
-        coord = Coordinator(_cfg(smollm2, cluster.nodes))
-        await coord.async_start()
-        pause = None
-        try:
-            assert coord.scheduler is not None
-            out: list[int] = []
-            loop = asyncio.get_running_loop()
-            t_kill = 0.0
-            async for tok in coord.scheduler.async_generate(GenRequest(prompt=prompt, max_tokens=TOKENS)):
-                if t_kill and pause is None:
-                    pause = loop.time() - t_kill
-                out.append(tok)
-                if len(out) == at:
-                    for i in kill:
-                        cluster.kill(i)
-                    t_kill = loop.time()
-            return out, coord.recoveries, pause
-        finally:
-            await coord.async_stop()
-
-    return aio.run(main())
+def _generate(smollm2: Any, cluster: LocalCluster, prompt: tuple[int, ...], kill: tuple[int, ...] = (), at: int = -1):  # type: ignore[no-untyped-def]
+    """TOKENS greedy tokens; after token ``at``, SIGKILL the agents at ``kill``."""
+    out, pause, recoveries = aio.run(
+        generate_with_kill(_cfg(smollm2, cluster.nodes), cluster, prompt, TOKENS, kill, at)
+    )
+    return out, recoveries, pause
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from agent import aio
@@ -32,9 +33,12 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-async def _generate(
-    cfg: ServeConfig, cluster: LocalCluster, prompt: tuple[int, ...], tokens: int, kill: int | None, at: int
-) -> tuple[list[int], float | None]:
+async def generate_with_kill(
+    cfg: ServeConfig, cluster: LocalCluster, prompt: tuple[int, ...], tokens: int, kill: Sequence[int], at: int
+) -> tuple[list[int], float | None, list[dict[str, object]]]:
+    """Greedy-generate ``tokens`` tokens; after token ``at``, SIGKILL the agents ``kill``.
+
+    Returns the tokens, the seconds from the kill to the next token, and the recoveries."""
     coord = Coordinator(cfg)
     await coord.async_start()
     try:
@@ -45,10 +49,11 @@ async def _generate(
             if t_kill and pause is None:
                 pause = time.monotonic() - t_kill
             out.append(tok)
-            if kill is not None and len(out) == at:
+            if kill and len(out) == at:
                 t_kill = time.monotonic()
-                cluster.kill(kill)
-        return out, pause
+                for i in kill:
+                    cluster.kill(i)
+        return out, pause, coord.recoveries
     finally:
         await coord.async_stop()
 
@@ -94,7 +99,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
 
     with LocalCluster(args.nodes) as c:
-        ref, _ = aio.run(_generate(cfg(c.nodes), c, prompt, args.tokens, None, -1))
+        ref, _, _ = aio.run(generate_with_kill(cfg(c.nodes), c, prompt, args.tokens, (), -1))
     _say(f"reference: {len(ref)} tokens on {args.nodes} stages")
     pauses: list[float] = []
     lost = dup = 0
@@ -102,7 +107,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for trial in range(args.trials):
         stage, at = rng.randrange(args.nodes), rng.randrange(5, len(ref) - 5)
         with LocalCluster(args.nodes) as c:
-            out, pause = aio.run(_generate(cfg(c.nodes), c, prompt, args.tokens, stage, at))
+            out, pause, _ = aio.run(generate_with_kill(cfg(c.nodes), c, prompt, args.tokens, (stage,), at))
         lo, du, same = compare(ref, out, at)
         lost, dup, identical = lost + lo, dup + du, identical and same
         if pause is None:
