@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -190,32 +191,22 @@ class Pipeline:
         ``ret_logits`` asks the last stage for logits instead of ids (the naive design, for
         the WAN comparison); the coordinator then picks the greedy tokens itself.
         """
-        if self._link is None:
-            raise PipelineError("the pipeline is not started")
-        if self.lost is not None:
-            raise PipelineError(f"the agent at {self.lost} is gone", "node_lost")
+        link = self._ready()
         seq = next(self._seq)
         fut: asyncio.Future[tuple[int, ...]] = asyncio.get_running_loop().create_future()
         self._pending[(stream, seq)] = fut
-        arr = np.asarray(ids, dtype=np.int32)
-        msg = Fwd(
-            term=self.term,
-            stream=stream,
-            seq=seq,
-            n=int(arr.size),
-            dtype="i32",
-            start=start,
-            rollback=rollback,
-            logits=tuple(logits),
-            sampling=sampling or SamplingSpec(),
-            sent_at=time.time(),
-            ret_logits=ret_logits,
-        )
         try:
-            try:
-                await self._link.async_send(encode(msg, arr))
-            except LinkClosed as e:
-                raise PipelineError(str(e), "node_lost") from e
+            await self._send_ids(
+                link,
+                stream,
+                seq,
+                ids,
+                start=start,
+                rollback=rollback,
+                logits=tuple(logits),
+                sampling=sampling or SamplingSpec(),
+                ret_logits=ret_logits,
+            )
             return await fut
         finally:
             self._pending.pop((stream, seq), None)
@@ -236,30 +227,37 @@ class Pipeline:
         steps') arrives on the returned queue; an error arrives as a PipelineError. The queue
         lives until :meth:`async_close_stream`.
         """
+        link = self._ready()
+        q: asyncio.Queue[tuple[int, ...] | PipelineError] = asyncio.Queue()
+        self._queues[stream] = q
+        await self._send_ids(
+            link,
+            stream,
+            next(self._seq),
+            ids,
+            start=start,
+            sampling=sampling or SamplingSpec(),
+            auto=auto,
+            stop=tuple(stop),
+        )
+        return q
+
+    def _ready(self) -> Link:
+        """The link to stage 0, if this pipeline can take work."""
         if self._link is None:
             raise PipelineError("the pipeline is not started")
         if self.lost is not None:
             raise PipelineError(f"the agent at {self.lost} is gone", "node_lost")
-        q: asyncio.Queue[tuple[int, ...] | PipelineError] = asyncio.Queue()
-        self._queues[stream] = q
+        return self._link
+
+    async def _send_ids(self, link: Link, stream: str, seq: int, ids: Sequence[int], **fields: Any) -> None:
+        """One Fwd of token ids into the ring; a closed link means the first stage is gone."""
         arr = np.asarray(ids, dtype=np.int32)
-        msg = Fwd(
-            term=self.term,
-            stream=stream,
-            seq=next(self._seq),
-            n=int(arr.size),
-            dtype="i32",
-            start=start,
-            sampling=sampling or SamplingSpec(),
-            sent_at=time.time(),
-            auto=auto,
-            stop=tuple(stop),
-        )
+        msg = Fwd(term=self.term, stream=stream, seq=seq, n=int(arr.size), dtype="i32", sent_at=time.time(), **fields)
         try:
-            await self._link.async_send(encode(msg, arr))
+            await link.async_send(encode(msg, arr))
         except LinkClosed as e:
             raise PipelineError(str(e), "node_lost") from e
-        return q
 
     async def async_close_stream(self, stream: str) -> None:
         self._queues.pop(stream, None)
