@@ -182,8 +182,13 @@ def probe(
                 log.warning("speed benchmark failed on %s: %s", name, e)
                 score, error = 0.0, f"{type(e).__name__}: {e}"
             if not error:
-                cache[name] = {"fingerprint": fp, "score": score, "full_name": full_name, "driver": driver,
-                               "measured_at": time.time()}
+                cache[name] = {
+                    "fingerprint": fp,
+                    "score": score,
+                    "full_name": full_name,
+                    "driver": driver,
+                    "measured_at": time.time(),
+                }
                 dirty = True
         kind = name.split(".", 1)[0].upper()
         infos.append(DeviceInfo(name, kind, full_name, driver, score, error))

@@ -100,7 +100,10 @@ class AgentDaemon:
             await self.elector.async_start(self.opts.host)
             if self.settings.mdns:
                 self.discovery = Discovery(
-                    self.settings.cluster_id, self.advert, self._on_advert, self.elector.on_goodbye,
+                    self.settings.cluster_id,
+                    self.advert,
+                    self._on_advert,
+                    self.elector.on_goodbye,
                     self.settings.interface,
                 )
                 await self.discovery.async_start()
@@ -278,7 +281,7 @@ async def _set_state(request: web.Request) -> web.Response:
     try:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
-        return web.json_response({"error": "the body must be JSON like {\"state\": \"paused\"}"}, status=400)
+        return web.json_response({"error": 'the body must be JSON like {"state": "paused"}'}, status=400)
     state = body.get("state") if isinstance(body, dict) else None
     if state not in STATES:
         return web.json_response({"error": f"state must be one of {', '.join(STATES)}"}, status=400)
@@ -293,8 +296,7 @@ async def _main(settings: Settings, opts: DaemonOptions) -> None:
     await d.async_start()
     mode = "standalone" if opts.standalone else f"cluster {settings.cluster_id}"
     print(
-        f"lakeshard agent {d.node} ({mode}) listening on {opts.host}:{d.me.port}, "
-        f"status API on 127.0.0.1:{d.api_port}",
+        f"lakeshard agent {d.node} ({mode}) listening on {opts.host}:{d.me.port}, status API on 127.0.0.1:{d.api_port}",
         flush=True,
     )
     stop = asyncio.Event()

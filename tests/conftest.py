@@ -14,6 +14,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+# every process the suite starts keeps OpenVINO's compiled-model cache small (CI disks are)
+os.environ.setdefault("LAKESHARD_COMPILE_CACHE_MB", "512")
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 warnings.filterwarnings("ignore", message=".*non-writable.*")
 

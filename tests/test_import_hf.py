@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +17,7 @@ from tests.conftest import PROMPTS
 
 
 @pytest.fixture(scope="module")
-def hf_dir(hf_smollm2, smollm2, tmp_path_factory: pytest.TempPathFactory) -> Path:  # type: ignore[no-untyped-def]
+def hf_dir(hf_smollm2, smollm2, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:  # type: ignore[no-untyped-def]
     from transformers import AutoTokenizer
 
     d = tmp_path_factory.mktemp("hf") / "SmolLM2-135M-Instruct"
@@ -26,7 +28,8 @@ def hf_dir(hf_smollm2, smollm2, tmp_path_factory: pytest.TempPathFactory) -> Pat
         del hf_smollm2.config.quantization_config
     hf_smollm2.save_pretrained(str(d))
     AutoTokenizer.from_pretrained(str(smollm2.tokenizer_dir)).save_pretrained(str(d))
-    return d
+    yield d
+    shutil.rmtree(d.parent, ignore_errors=True)  # 0.5 GB of f32 safetensors
 
 
 def test_hf_directory_export_matches_hugging_face(hf_dir: Path, hf_smollm2, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

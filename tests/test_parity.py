@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +40,9 @@ def fp32_exports(smollm2, export_root: Path):  # type: ignore[no-untyped-def]
         isolate=False,
         quiet=True,
     )
-    return out
+    yield out
+    for res in out.values():  # 2 GB of f32 weights: gone before the next module
+        shutil.rmtree(res.dir, ignore_errors=True)
 
 
 def _hf_logits(hf, prompt: list[int], tokens: list[int]) -> np.ndarray:  # type: ignore[no-untyped-def]

@@ -143,8 +143,13 @@ def test_footprint_of_a_real_config() -> None:
     from types import SimpleNamespace
 
     qwen05 = SimpleNamespace(
-        hidden_size=896, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
-        num_hidden_layers=24, vocab_size=151936, head_dim=64,
+        hidden_size=896,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        vocab_size=151936,
+        head_dim=64,
     )
     fp = footprint(qwen05, "int4", streams=1, context=1024)
     weights = 24 * fp.layer_bytes + fp.head_bytes

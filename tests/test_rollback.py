@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -12,11 +14,13 @@ from tests.figures import report
 
 
 @pytest.fixture(scope="module")
-def fp32_stage(smollm2, export_root: Path) -> Stage:  # type: ignore[no-untyped-def]
+def fp32_stage(smollm2, export_root: Path) -> Iterator[Stage]:  # type: ignore[no-untyped-def]
     from agent.export.exporter import ExportOptions, export_model
 
-    res = export_model(smollm2, [(0, smollm2.num_layers)], ExportOptions(weights="fp32"), quiet=True)
-    return Stage(res.stage_dirs()[0], device="CPU", exact=True)
+    out = export_root / "fp32-rollback"
+    res = export_model(smollm2, [(0, smollm2.num_layers)], ExportOptions(weights="fp32"), out, quiet=True)
+    yield Stage(res.stage_dirs()[0], device="CPU", exact=True)
+    shutil.rmtree(out, ignore_errors=True)  # 0.5 GB of f32 weights
 
 
 def _feed(stage: Stage, st: Stream, ids: list[int]) -> np.ndarray:

@@ -49,9 +49,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     failover: list[float] = []
     discovery: list[float] = []
     spawn: list[float] = []
-    with tempfile.TemporaryDirectory(prefix="lakeshard-bench-election-") as tmp, AgentLab(
-        n, Path(tmp), cluster=f"bench-{int(time.time())}", split=n
-    ) as lab:
+    with (
+        tempfile.TemporaryDirectory(prefix="lakeshard-bench-election-") as tmp,
+        AgentLab(n, Path(tmp), cluster=f"bench-{int(time.time())}", split=n) as lab,
+    ):
         lab.start_all()
         view = lab.wait_for(lambda v: agreed(v, peers_alive=n - 1) is not None, range(n), BOOT_S)
         _say(f"{n} agents agree on coordinator {agreed(view)}")

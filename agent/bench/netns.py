@@ -97,9 +97,7 @@ class Lan:
         pid = os.getpid()
         self.bridges = (f"lsb{pid}a", f"lsb{pid}b")
         self.trunk = (f"lst{pid}a", f"lst{pid}b")
-        self.nodes = [
-            Node(i, f"{PREFIX}{pid}n{i}", f"{SUBNET}.{i + 1}", f"lsv{pid}n{i}") for i in range(n)
-        ]
+        self.nodes = [Node(i, f"{PREFIX}{pid}n{i}", f"{SUBNET}.{i + 1}", f"lsv{pid}n{i}") for i in range(n)]
         if any(len(x) > 15 for x in (*self.bridges, *self.trunk, *(nd.veth for nd in self.nodes))):
             raise LanError("interface names too long for this process id")
 

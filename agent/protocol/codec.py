@@ -91,7 +91,6 @@ class Message:
         raise NotImplementedError
 
 
-
 REGISTRY: dict[str, type[Message]] = {}
 
 
@@ -136,4 +135,3 @@ def decode(frame: bytes) -> tuple[Message, memoryview]:
         raise ProtocolError("unknown_type", f"unknown message type {h.get('t')!r}")
     msg = kind.parse(h)
     return msg, memoryview(frame)[_PREFIX.size + hlen :]
-

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import openvino as ov
 
 from agent.paths import compiled_cache_dir
 
+log = logging.getLogger(__name__)
 _core: ov.Core | None = None
+DEFAULT_CACHE_MB = 4096  # compiled blobs of fp32 stages run to hundreds of MB each
 
 
 class DeviceError(ValueError):
@@ -24,6 +28,55 @@ def core() -> ov.Core:
         if not os.environ.get("LAKESHARD_NO_COMPILE_CACHE"):
             _core.set_property({"CACHE_DIR": str(compiled_cache_dir())})
     return _core
+
+
+def compile_model(xml: Path, device: str, props: dict[str, Any]) -> ov.CompiledModel:
+    """Compile (or load from the compiled-model cache), then keep that cache within its cap."""
+    compiled = core().compile_model(str(xml), device, props)
+    prune_compiled_cache()
+    return compiled
+
+
+def cache_cap_bytes() -> int:
+    """The compiled-model cache's cap: ``LAKESHARD_COMPILE_CACHE_MB`` (default 4096)."""
+    v = os.environ.get("LAKESHARD_COMPILE_CACHE_MB", "")
+    try:
+        mb = float(v) if v else DEFAULT_CACHE_MB
+    except ValueError:
+        raise DeviceError(f"LAKESHARD_COMPILE_CACHE_MB must be a number of megabytes, not {v!r}") from None
+    return int(max(0.0, mb) * 2**20)
+
+
+def prune_compiled_cache(folder: Path | None = None, cap: int | None = None) -> list[Path]:
+    """Delete the least recently used compiled blobs until the folder fits under ``cap`` bytes.
+
+    Safe beside other agents: a blob another process has open stays readable until closed,
+    and a deleted blob only means that model compiles from its IR again next time.
+    """
+    d = folder if folder is not None else compiled_cache_dir()
+    limit = cache_cap_bytes() if cap is None else cap
+    entries = []
+    for f in d.iterdir():
+        try:
+            st = f.stat()
+        except OSError:  # removed by another process meanwhile
+            continue
+        if f.is_file():
+            entries.append((max(st.st_atime, st.st_mtime), st.st_size, f))
+    total = sum(e[1] for e in entries)
+    removed = []
+    for _, size, f in sorted(entries):
+        if total <= limit:
+            break
+        try:
+            f.unlink()
+        except OSError:
+            continue
+        total -= size
+        removed.append(f)
+    if removed:
+        log.info("compiled-model cache over %d MB: removed %d old blob(s)", limit >> 20, len(removed))
+    return removed
 
 
 def available_devices() -> list[str]:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import openvino as ov
 
-from agent.runtime.device import choose_device, compile_properties, core
+from agent.runtime.device import choose_device, compile_model, compile_properties
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class Stage:
         self.vocab_size = int(self.manifest["vocab_size"])
         self.device = choose_device(device)
         props = compile_properties(self.device, threads=threads, exact=exact, kv_precision=kv_precision)
-        self.compiled = core().compile_model(str(self.dir / "model.xml"), self.device, props)
+        self.compiled = compile_model(self.dir / "model.xml", self.device, props)
         names = {p.get_any_name() for p in self.compiled.inputs}
         self.has_beam_idx = "beam_idx" in names
         self.main_input = "input_ids" if self.first else "hidden_states"
