@@ -148,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--draft", help="speculative decoding: a draft model with the same tokenizer, or 'lookup'")
     sv.add_argument("--draft-weights", choices=["fp32", "fp16", "int8", "int4"], default="int4")
     sv.add_argument("--spec-k", type=_spec_k, help="drafted tokens per round: a number, or auto (default)")
+    sv.add_argument(
+        "--rebalance",
+        action="store_true",
+        help="once every stage has timed its steps, re-split the layers by those times (kept for later plans)",
+    )
 
     ch = sub.add_parser("chat", help="chat in the terminal with a coordinator's API")
     ch.add_argument("--url", default="http://127.0.0.1:8000", help="the coordinator's API base URL")
@@ -191,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="on",
         help="plain decoding with the last stage feeding stage 0 itself (on), through the coordinator (off)",
     )
+    pl.add_argument("--rebalance", action="store_true", help="time the stages first and re-split by what they measured")
     pl.add_argument("--json", action="store_true")
     me = bsub.add_parser("memory", help="what each extra stream costs a stage agent in memory")
     me.add_argument("--model", default="smollm2-135m")
@@ -399,6 +405,7 @@ def _serve(args: argparse.Namespace) -> int:
         draft=args.draft,
         draft_weights=args.draft_weights,
         spec_k=args.spec_k,
+        rebalance=args.rebalance,
     )
     run_coordinator(cfg)
     return 0

@@ -37,7 +37,9 @@ class ModelCosts:
         return c
 
 
-def model_costs(config: Any) -> ModelCosts:
+def model_costs(config: Any, head_layers: float | None = None) -> ModelCosts:
+    """Per-token cost of a decoder layer and of the lm_head; ``head_layers`` (measured, see
+    ``coordinator.calibration``) replaces the head's estimate when given."""
     h = int(config.hidden_size)
     heads = int(config.num_attention_heads)
     hd = int(getattr(config, "head_dim", None) or h // heads)
@@ -48,7 +50,8 @@ def model_costs(config: Any) -> ModelCosts:
     # the predicted lm_head/layer ratio matches measured stage times within a few percent
     # (Qwen2.5-0.5B: 8.2 layers predicted and measured; SmolLM2-135M: 6.7 vs 6.6).
     layer = h * (heads * hd) + 2 * h * (kv * hd) + (heads * hd) * h + 3 * h * inter + 2 * h * h
-    return ModelCosts(n_layers=int(config.num_hidden_layers), layer=float(layer), head=float(h * config.vocab_size))
+    head = head_layers * layer if head_layers is not None else float(h * config.vocab_size)
+    return ModelCosts(n_layers=int(config.num_hidden_layers), layer=float(layer), head=float(head))
 
 
 def balanced_split(costs: ModelCosts, n_stages: int, speeds: Sequence[float] | None = None) -> list[tuple[int, int]]:

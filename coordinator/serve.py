@@ -28,6 +28,7 @@ from agent.models.store import LocalModel
 from agent.protocol import MAX_FRAME
 from agent.runtime.tokenizer import ChatTokenizer
 from coordinator.api import ApiState, make_api_app
+from coordinator.calibration import CalibrationStore, fit_head_layers, propose, stage_time
 from coordinator.drafting import load_drafter
 from coordinator.pipeline import Pipeline, PipelineError, StagePlacement
 from coordinator.planner import PlanError, balanced_split, model_costs, split_from_cuts
@@ -64,16 +65,19 @@ class ServeConfig:
     spec_k: int | None = None  # fixed draft length; None: chosen at run time
     failover: bool = True  # re-plan over the surviving agents when one is lost, and resume
     ring_loop: bool = True  # plain decoding: the last stage feeds stage 0 itself (Fwd.auto)
+    rebalance: bool = False  # re-plan once from measured stage times (see async_rebalance)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-def plan_ranges(model: LocalModel, n_stages: int, split: Sequence[int] | None) -> list[tuple[int, int]]:
+def plan_ranges(
+    model: LocalModel, n_stages: int, split: Sequence[int] | None, head_layers: float | None = None
+) -> list[tuple[int, int]]:
     if split:
         ranges = split_from_cuts(model.num_layers, split)
         if len(ranges) != n_stages:
             raise ValueError(f"--split gives {len(ranges)} stages for {n_stages} nodes")
         return ranges
-    return balanced_split(model_costs(model.config()), n_stages)
+    return balanced_split(model_costs(model.config(), head_layers), n_stages)
 
 
 async def _reachable(node: str, timeout: float = 1.0) -> bool:
@@ -110,9 +114,12 @@ class Coordinator:
         self._host = ""
         self._data_port = 0
         self._spare: asyncio.Task[None] | None = None
+        self._rebalancer: asyncio.Task[None] | None = None
         self.nodes = list(cfg.nodes)  # the agents of the current plan
         self.replans: list[dict[str, object]] = []
         self._export_lock = asyncio.Lock()  # one export at a time (the fallback and a recovery share folders)
+        self.calibration = CalibrationStore()
+        self.rebalances: list[dict[str, object]] = []
 
     async def async_start(self) -> None:
         cfg = self.cfg
@@ -162,6 +169,8 @@ class Coordinator:
             self.scheduler.recover = self.async_recover
             if len(cfg.nodes) > 1:  # have the split for one node fewer ready before it is needed
                 self._spare = asyncio.create_task(self._prepare_fallback(len(cfg.nodes) - 1))
+        if cfg.rebalance:
+            self._rebalancer = asyncio.create_task(self._auto_rebalance())
         if not cfg.api:
             cfg.ready.set()
             return
@@ -179,7 +188,7 @@ class Coordinator:
     async def _build(self, nodes: Sequence[str], split: Sequence[int] | None = None) -> Pipeline:
         """Plan ``nodes`` into a pipeline, export (or reuse) the stages, assign them in ``self.term``."""
         cfg = self.cfg
-        ranges = plan_ranges(cfg.model, len(nodes), split)
+        ranges = plan_ranges(cfg.model, len(nodes), split, self.calibration.get(self._calib_key()))
         loop = asyncio.get_running_loop()
         async with self._export_lock:
             export = await loop.run_in_executor(
@@ -227,10 +236,58 @@ class Coordinator:
                 old.mark_lost("-", f"re-planned onto {len(nodes)} node(s) in term {self.term}")
                 await old.async_close()
 
+    def _calib_key(self) -> str:
+        return f"{self.cfg.model.name}|{self.cfg.opts.weights}"
+
+    async def async_rebalance(self, min_gain: float = 0.05) -> dict[str, object] | None:
+        """Fit the head's cost from the stages' measured step times; re-plan when that pays.
+
+        The fit is stored for later plans. The move itself is ``async_replan``: streams in
+        flight carry on, on the new split, without losing a token. Returns what was decided,
+        or None when the stages have not measured enough yet (or the split is fixed).
+        """
+        cfg = self.cfg
+        if cfg.split or len(self.nodes) < 2 or self.pipeline is None:
+            return None
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
+            statuses = []
+            for node in self.nodes:
+                async with s.get(f"http://{node}/v1/node") as r:
+                    statuses.append(await r.json())
+        times = [stage_time(st) for st in statuses]
+        if any(t is None for t in times):
+            return None
+        stages = [t for t in times if t is not None]
+        head = fit_head_layers(stages)
+        if head is None:
+            return None
+        self.calibration.update(self._calib_key(), head)
+        p = propose(stages, head, lambda h: plan_ranges(cfg.model, len(stages), None, h))
+        decision: dict[str, object] = {
+            "head_layers": round(head, 2),
+            "step_ms": [s.step_ms for s in stages],
+            "ranges": p.ranges,
+            "predicted_ms": round(p.predicted_ms, 3),
+            "replanned": p.pays(min_gain),
+        }
+        log.info("measured split costs: %s", decision)
+        if p.pays(min_gain):
+            await self.async_replan(self.nodes, [e for _, e in p.ranges[:-1]])
+        self.rebalances.append(decision)
+        return decision
+
+    async def _auto_rebalance(self) -> None:
+        """Once every stage has timed enough steps, rebalance once."""
+        while True:
+            await asyncio.sleep(5.0)
+            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
+                if await self.async_rebalance() is not None:
+                    return
+
     async def _prepare_fallback(self, n: int) -> None:
         cfg = self.cfg
         try:
-            ranges = plan_ranges(cfg.model, n, None)
+            ranges = plan_ranges(cfg.model, n, None, self.calibration.get(self._calib_key()))
             async with self._export_lock:
                 await asyncio.get_running_loop().run_in_executor(
                     None, lambda: export_model(cfg.model, ranges, cfg.opts, quiet=True)
@@ -275,6 +332,10 @@ class Coordinator:
         self._runners.append(runner)
 
     async def async_stop(self) -> None:
+        if self._rebalancer is not None:
+            self._rebalancer.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._rebalancer
         if self._spare is not None and not self._spare.done():
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._spare  # an export in a worker thread cannot be interrupted

@@ -75,8 +75,8 @@ def _mono(export_dir: Path, cores: list[int], prompt: list[int], tokens: int, ru
 
 
 async def _measure(
-    cfg: ServeConfig, prompt: list[int], streams: int, tokens: int, runs: int, ids_only: bool
-) -> tuple[float, list[float]]:
+    cfg: ServeConfig, prompt: list[int], streams: int, tokens: int, runs: int, ids_only: bool, rebalance: bool = False
+) -> tuple[float, list[float], list[list[int]]]:
     coord = Coordinator(cfg)
     await coord.async_start()
     try:
@@ -88,13 +88,20 @@ async def _measure(
             return sum([1 async for _ in sched.async_generate(req)])
 
         await asyncio.gather(*[one(4) for _ in range(streams)])  # warm-up: first inferences allocate
+        if rebalance and len(cfg.nodes) > 1:  # time the stages, then split by what they measured
+            await asyncio.gather(*[one(48) for _ in range(streams)])
+            decision = await coord.async_rebalance()
+            _say(f"rebalance: {decision}")
+            await asyncio.gather(*[one(4) for _ in range(streams)])
         speeds = []
         loop = asyncio.get_running_loop()
         for _ in range(runs):
             t0 = loop.time()
             counts = await asyncio.gather(*[one(tokens) for _ in range(streams)])
             speeds.append(sum(counts) / (loop.time() - t0))
-        return statistics.median(speeds), speeds
+        assert coord.export is not None
+        split = [[int(m["stage"]["layer_start"]), int(m["stage"]["layer_end"])] for m in coord.export.manifests]
+        return statistics.median(speeds), speeds, split
     finally:
         await coord.async_stop()
 
@@ -149,7 +156,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         api=False,
                         ring_loop=ring_loop,
                     )
-                    tok_s, all_runs = aio.run(_measure(cfg, prompt, k, tokens, args.runs, ids_only))
+                    tok_s, all_runs, split = aio.run(
+                        _measure(cfg, prompt, k, tokens, args.runs, ids_only, args.rebalance)
+                    )
                     row = {
                         "stages": s,
                         "streams": k,
@@ -157,6 +166,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "link_mbps": mbps,
                         "ids_only": ids_only,
                         "ring_loop": ring_loop,
+                        "split": split,
                         "tok_s": round(tok_s, 2),
                     }
                     rows.append(row)
