@@ -223,6 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--weights", choices=["fp32", "fp16", "int8", "int4"])
     sp.add_argument("--draft-weights", choices=["fp32", "fp16", "int8", "int4"], default="int4")
     sp.add_argument("--k", default="auto,2,3,5,7", help="K values to measure: auto and/or numbers")
+    sp.add_argument(
+        "--depth",
+        default="auto",
+        help="verify frames in flight per stream to measure (1, 2 = draft ahead, auto), e.g. 1,2",
+    )
     sp.add_argument("--prompts", choices=["code", "chat"], default="code")
     sp.add_argument("--num-prompts", type=_positive_int, default=4)
     sp.add_argument("--stages", type=_positive_int, default=1)

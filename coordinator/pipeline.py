@@ -191,25 +191,45 @@ class Pipeline:
         ``ret_logits`` asks the last stage for logits instead of ids (the naive design, for
         the WAN comparison); the coordinator then picks the greedy tokens itself.
         """
+        fut = self.send_step(
+            stream, ids, start=start, rollback=rollback, logits=logits, sampling=sampling, ret_logits=ret_logits
+        )
+        return await fut
+
+    def send_step(
+        self,
+        stream: str,
+        ids: Sequence[int],
+        *,
+        start: bool = False,
+        rollback: int = 0,
+        logits: Sequence[int] = (),
+        sampling: SamplingSpec | None = None,
+        ret_logits: bool = False,
+    ) -> asyncio.Future[tuple[int, ...]]:
+        """Send one step now (it is on the wire when this returns); the future gets its tokens.
+
+        Several steps of one stream may be in flight: stages take them in order.
+        Cancelling the future only stops waiting for it.
+        """
         link = self._ready()
         seq = next(self._seq)
+        key = (stream, seq)
         fut: asyncio.Future[tuple[int, ...]] = asyncio.get_running_loop().create_future()
-        self._pending[(stream, seq)] = fut
-        try:
-            await self._send_ids(
-                link,
-                stream,
-                seq,
-                ids,
-                start=start,
-                rollback=rollback,
-                logits=tuple(logits),
-                sampling=sampling or SamplingSpec(),
-                ret_logits=ret_logits,
-            )
-            return await fut
-        finally:
-            self._pending.pop((stream, seq), None)
+        self._send_ids(
+            link,
+            stream,
+            seq,
+            ids,
+            start=start,
+            rollback=rollback,
+            logits=tuple(logits),
+            sampling=sampling or SamplingSpec(),
+            ret_logits=ret_logits,
+        )
+        self._pending[key] = fut
+        fut.add_done_callback(lambda _: self._pending.pop(key, None))
+        return fut
 
     async def async_run(
         self,
@@ -230,7 +250,7 @@ class Pipeline:
         link = self._ready()
         q: asyncio.Queue[tuple[int, ...] | PipelineError] = asyncio.Queue()
         self._queues[stream] = q
-        await self._send_ids(
+        self._send_ids(
             link,
             stream,
             next(self._seq),
@@ -250,12 +270,12 @@ class Pipeline:
             raise PipelineError(f"the agent at {self.lost} is gone", "node_lost")
         return self._link
 
-    async def _send_ids(self, link: Link, stream: str, seq: int, ids: Sequence[int], **fields: Any) -> None:
+    def _send_ids(self, link: Link, stream: str, seq: int, ids: Sequence[int], **fields: Any) -> None:
         """One Fwd of token ids into the ring; a closed link means the first stage is gone."""
         arr = np.asarray(ids, dtype=np.int32)
         msg = Fwd(term=self.term, stream=stream, seq=seq, n=int(arr.size), dtype="i32", sent_at=time.time(), **fields)
         try:
-            await link.async_send(encode(msg, arr))
+            link.send_nowait(encode(msg, arr))
         except LinkClosed as e:
             raise PipelineError(str(e), "node_lost") from e
 

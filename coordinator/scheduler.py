@@ -34,6 +34,7 @@ class GenRequest:
     stop_ids: frozenset[int] = frozenset()
     ids_only: bool = True  # False: the last stage returns logits (the naive design)
     spec_k: int | None = None  # fixed draft length for this request (0: no speculation)
+    spec_depth: int | None = None  # verify frames in flight (2: draft ahead); None: the speculator's choice
 
 
 class Scheduler:
@@ -118,6 +119,7 @@ class Scheduler:
                     max_tokens=req.max_tokens,
                     sampling=req.sampling,
                     k_override=req.spec_k,
+                    depth_override=req.spec_depth,
                 )
                 try:
                     async for tok in gen:

@@ -63,6 +63,7 @@ class ServeConfig:
     draft_weights: str = "int4"
     draft_threads: int | None = None
     spec_k: int | None = None  # fixed draft length; None: chosen at run time
+    spec_depth: int | None = None  # verify frames in flight per stream (2 = draft ahead); None: chosen at run time
     failover: bool = True  # re-plan over the surviving agents when one is lost, and resume
     ring_loop: bool = True  # plain decoding: the last stage feeds stage 0 itself (Fwd.auto)
     rebalance: bool = False  # re-plan once from measured stage times (see async_rebalance)
@@ -160,7 +161,7 @@ class Coordinator:
                     draft, cfg.model, weights=cfg.draft_weights, threads=cfg.draft_threads, quiet=cfg.quiet
                 ),
             )
-            spec = SpecConfig(drafter, k=cfg.spec_k)
+            spec = SpecConfig(drafter, k=cfg.spec_k, depth=cfg.spec_depth)
             log.info(
                 "speculative decoding with %s, K %s", drafter.name, cfg.spec_k if cfg.spec_k is not None else "auto"
             )

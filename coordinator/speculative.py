@@ -15,6 +15,7 @@ greedy or sampled.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -32,6 +33,7 @@ class SpecConfig:
     drafter: Drafter
     k: int | None = None  # fixed K; None = chosen per round by the K policy
     k_max: int = K_MAX
+    depth: int | None = None  # verify frames in flight per stream; None = chosen at run time
 
 
 @dataclass
@@ -90,6 +92,16 @@ class Speculator:
         ready = self._pool.submit(prefill, list(prompt)) if prefill is not None else None
         return DraftHandle(session, ready)
 
+    def depth(self) -> int:
+        """Verify frames a stream keeps in flight: 2 (draft ahead while one travels) once a
+        round trip is measured to take longer than drafting K tokens, else 1."""
+        if self.cfg.depth is not None:
+            return self.cfg.depth
+        c = self.stats.costs()
+        if c is None or self.stats.last_k == 0:
+            return 1
+        return 2 if c.step_s > c.draft_s * max(1, self.stats.last_k) else 1
+
     async def async_decode(
         self,
         stream: str,
@@ -100,53 +112,84 @@ class Speculator:
         max_tokens: int,
         sampling: SamplingSpec,
         k_override: int | None = None,
+        depth_override: int | None = None,
     ) -> AsyncGenerator[int, None]:
-        """Tokens after the prefill (whose token is ``first``), ``first`` included."""
+        """Tokens after the prefill (whose token is ``first``), ``first`` included.
+
+        ``fed`` lists what went into the target since the last rejection; the output at
+        ``fed[v]`` is the target's token after it, which confirms ``fed[v + 1]`` (a draft) or
+        replaces it. With depth 2 the next frame, drafted on from unconfirmed drafts, is sent
+        while one is still travelling; a rejection voids every position after it, in flight
+        or not, and the next frame's ``rollback`` masks them all at once.
+        """
         session = handle.session
         if handle.ready is not None:  # the draft's prefill: not a cost of any round
             await asyncio.wrap_future(handle.ready)
-        ctx = list(prompt)
-        pending = first
+        ctx = [*prompt, first]  # confirmed tokens
+        yield first
+        emitted = 1
+        feed: list[int] = [first]  # confirmed tokens the target has not seen yet
+        fed: list[int] = []
+        v = 0
         rollback = 0
-        emitted = 0
+        inflight: collections.deque[tuple[asyncio.Future[tuple[int, ...]], int, float, bool]] = collections.deque()
         try:
-            while True:
-                ctx.append(pending)
-                yield pending
-                emitted += 1
-                if emitted >= max_tokens:
-                    return
-                k = self._next_k(max_tokens - emitted, k_override)
-                drafts: list[int] = []
-                if k > 0:
-                    t0 = time.perf_counter()
-                    got = await self._run(functools.partial(session.propose, ctx, k))
-                    drafts = list(got or [])[:k]
-                    self.stats.observe_draft(time.perf_counter() - t0, k)
-                n = len(drafts)
-                t0 = time.perf_counter()
-                toks = await self.pipeline.async_step(
-                    stream,
-                    [pending, *drafts],
-                    rollback=rollback,
-                    logits=range(n + 1) if n else (),
-                    sampling=sampling,
-                )
-                self.stats.observe_step(n + 1, time.perf_counter() - t0)
-                if len(toks) != n + 1:
-                    raise RuntimeError(f"the last stage returned {len(toks)} tokens for {n + 1} positions")
-                a = accept(drafts, toks)
-                if n:
-                    self.stats.observe_accept(n, a)
-                    c = self.counters
-                    c.rounds, c.proposed, c.accepted = c.rounds + 1, c.proposed + n, c.accepted + a
-                rollback = n - a
-                for t in toks[:a]:  # accepted drafts: the target's own tokens
+            while emitted < max_tokens:
+                depth = depth_override or self.depth()
+                while len(inflight) < depth:
+                    room = max_tokens - emitted - (len(fed) - v) - len(feed)  # outputs still useful
+                    k = self._next_k(room + 1, k_override) if room > 0 else 0
+                    drafts: list[int] = []
+                    if k > 0:
+                        t0 = time.perf_counter()
+                        got = await self._run(functools.partial(session.propose, ctx + fed[v + 1 :], k))
+                        drafts = list(got or [])[:k]
+                        self.stats.observe_draft(time.perf_counter() - t0, k)
+                    tokens = feed + drafts
+                    if not tokens:
+                        break
+                    step = self.pipeline.send_step(
+                        stream,
+                        tokens,
+                        rollback=rollback,
+                        logits=range(len(tokens)) if drafts else (),
+                        sampling=sampling,
+                    )  # on the wire now: the rollback below may count on it
+                    inflight.append((step, len(tokens), time.perf_counter(), not inflight))
+                    feed, rollback = [], 0
+                    fed += tokens
+                    self.counters.proposed += len(drafts)
+                    self.counters.rounds += 1 if drafts else 0
+                task, n, t0, alone = inflight.popleft()
+                toks = await task
+                if alone:  # a round time only when nothing queued ahead of it
+                    self.stats.observe_step(n, time.perf_counter() - t0)
+                if len(toks) != n:
+                    raise RuntimeError(f"the last stage returned {len(toks)} tokens for {n} positions")
+                accepted, rejected = 0, False
+                for t in toks:
                     ctx.append(t)
                     yield t
                     emitted += 1
                     if emitted >= max_tokens:
                         return
-                pending = toks[a]  # the target's correction (or bonus token)
+                    if v + 1 < len(fed) and fed[v + 1] == t:  # a draft confirmed: it is in the KV already
+                        v += 1
+                        accepted += 1
+                        continue
+                    # the target's own token: a correction (void everything fed after fed[v]) or the bonus
+                    rejected = v + 1 < len(fed)
+                    rollback = len(fed) - (v + 1)
+                    feed, fed, v = [t], [], 0
+                    break
+                self.counters.accepted += accepted
+                if n > 1:
+                    self.stats.observe_accept(n - 1 if rejected or not inflight else n, accepted)
+                if feed:  # frames still travelling carry voided positions: their results are dropped
+                    for task, *_ in inflight:
+                        task.cancel()
+                    inflight.clear()
         finally:
+            for task, *_ in inflight:
+                task.cancel()
             session.close()

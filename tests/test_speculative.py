@@ -56,7 +56,9 @@ def _sampling(i: int, sampled: bool) -> SamplingSpec:
 Job = tuple[tuple[int, ...], SamplingSpec, int]
 
 
-def _run(smollm2, nodes: list[str], jobs: list[Job], streams: int = 4, ring_loop: bool = True):  # type: ignore[no-untyped-def]
+def _run(  # type: ignore[no-untyped-def]
+    smollm2, nodes: list[str], jobs: list[Job], streams: int = 4, ring_loop: bool = True, depth: int | None = None
+):
     """Generate every job (prompt, sampling, K) on a fresh coordinator; returns tokens and counters."""
     from agent.export.exporter import ExportOptions
 
@@ -73,6 +75,7 @@ def _run(smollm2, nodes: list[str], jobs: list[Job], streams: int = 4, ring_loop
         draft="smollm2-135m",
         draft_weights="int4",
         ring_loop=ring_loop,
+        spec_depth=depth,
     )
 
     async def main() -> tuple[list[list[int]], Any]:
@@ -113,6 +116,21 @@ def test_speculative_output_equals_plain(stages: int, cluster, smollm2, prompts)
         f"speculative == plain, {stages} stage(s), K in {ks}, {n} runs each: "
         f"acceptance {counters.acceptance:.2f} over {counters.rounds} rounds"
     )
+
+
+def test_drafting_ahead_equals_plain(cluster, smollm2, prompts) -> None:  # type: ignore[no-untyped-def]
+    """Depth 2: the next frame is drafted on from unconfirmed drafts and sent while the first
+    travels; a rejection voids both, and one rollback takes them out of every stage's KV."""
+    jobs = [(p, _sampling(i, sampled), 0) for sampled in (False, True) for i, p in enumerate(prompts[:5])]
+    plain, _ = _run(smollm2, cluster.nodes, jobs, depth=1)
+    ks = (2, 5)
+    ahead, counters = _run(smollm2, cluster.nodes, [(p, s, k) for k in ks for p, s, _ in jobs], depth=2)
+    for j, k in enumerate(ks):
+        got = ahead[j * len(jobs) : (j + 1) * len(jobs)]
+        for i, (a, b) in enumerate(zip(got, plain, strict=True)):
+            assert a == b, f"K={k}, depth 2, {'sampled' if i >= 5 else 'greedy'} prompt {i % 5}"
+    assert counters.accepted > 0
+    report(f"drafting ahead (depth 2) == plain, 3 stages, K in {ks}: acceptance {counters.acceptance:.2f}")
 
 
 def test_concurrent_speculative_streams_equal_their_solo_plain_runs(cluster, smollm2, prompts) -> None:  # type: ignore[no-untyped-def]

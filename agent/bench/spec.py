@@ -56,8 +56,20 @@ def parse_ks(v: str) -> list[int | None]:
     return out
 
 
-def _label(k: int | None) -> str:
-    return "auto" if k is None else str(k)
+def parse_depths(v: str) -> list[int | None]:
+    out: list[int | None] = []
+    for x in (x.strip() for x in v.split(",")):
+        if x not in ("auto", "1", "2", "3", "4"):
+            raise BenchError(f"--depth takes auto or 1..4 (verify frames in flight), not {x!r}")
+        out.append(None if x == "auto" else int(x))
+    return out
+
+
+Config = tuple[int | None, int | None]  # (K, verify frames in flight); None = chosen at run time
+
+
+def _label(k: int | None, depth: int | None = None) -> str:
+    return ("auto" if k is None else str(k)) + ("" if depth is None else f"@{depth}")
 
 
 def rollback_costs(stage_dir: Path, prompt: list[int], threads: int, k: int = 3, reps: int = 15) -> dict[str, float]:
@@ -149,7 +161,7 @@ def genai_spec(
 
 
 async def _measure(
-    cfg: ServeConfig, prompts: list[list[int]], ks: list[int | None], tokens: int, runs: int
+    cfg: ServeConfig, prompts: list[list[int]], configs: list[Config], tokens: int, runs: int
 ) -> dict[str, dict[str, Any]]:
     coord = Coordinator(cfg)
     await coord.async_start()
@@ -158,24 +170,25 @@ async def _measure(
         assert sched is not None and sched.speculator is not None
         spec = sched.speculator
 
-        async def one(p: list[int], k: int | None, n: int) -> list[int]:
-            return [t async for t in sched.async_generate(GenRequest(tuple(p), max_tokens=n, spec_k=k))]
+        async def one(p: list[int], c: Config, n: int) -> list[int]:
+            req = GenRequest(tuple(p), max_tokens=n, spec_k=c[0], spec_depth=c[1])
+            return [t async for t in sched.async_generate(req)]
 
-        configs: list[int | None] = [0, *ks]
-        for k in configs:  # warm-up (first inferences allocate; the K policy gets first figures)
-            await asyncio.gather(*[one(p, k, 8) for p in prompts[:2]])
+        configs = [(0, None), *configs]
+        for c in configs:  # warm-up (first inferences allocate; the K policy gets first figures)
+            await asyncio.gather(*[one(p, c, 8) for p in prompts[:2]])
         res: dict[str, dict[str, Any]] = {
-            _label(k): {"speeds": [], "rounds": 0, "proposed": 0, "accepted": 0, "outputs": None} for k in configs
+            _label(*c): {"speeds": [], "rounds": 0, "proposed": 0, "accepted": 0, "outputs": None} for c in configs
         }
         loop = asyncio.get_running_loop()
         for r in range(runs):
             order = configs[r % len(configs) :] + configs[: r % len(configs)]
-            for k in order:
+            for c in order:
                 c0 = (spec.counters.rounds, spec.counters.proposed, spec.counters.accepted)
                 t0 = loop.time()
-                outs = await asyncio.gather(*[one(p, k, tokens) for p in prompts])
+                outs = await asyncio.gather(*[one(p, c, tokens) for p in prompts])
                 dt = loop.time() - t0
-                row = res[_label(k)]
+                row = res[_label(*c)]
                 row["speeds"].append(sum(len(o) for o in outs) / dt)
                 row["rounds"] += spec.counters.rounds - c0[0]
                 row["proposed"] += spec.counters.proposed - c0[1]
@@ -193,6 +206,7 @@ async def _measure(
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     ks = parse_ks(args.k)
+    parse_depths(args.depth)  # a bad --depth fails before any export
     quiet = bool(args.json)
     store = ModelStore()
     target = store.resolve(args.target, quiet=quiet)
@@ -251,17 +265,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             draft_weights=args.draft_weights,
             draft_threads=len(spare) if spare else c,
         )
-        res = aio.run(_measure(cfg, prompts, ks, args.tokens, args.runs))
+        depths = parse_depths(args.depth)
+        configs: list[Config] = [(k, d) for d in depths for k in ks]
+        res = aio.run(_measure(cfg, prompts, configs, args.tokens, args.runs))
     os.sched_setaffinity(0, avail)
 
-    plain = statistics.median(res["0"]["speeds"])
+    plain = statistics.median(res[_label(0)]["speeds"])
     runs_out = []
-    for k in ks:
-        row = res[_label(k)]
+    for k, d in configs:
+        row = res[_label(k, d)]
         tps = statistics.median(row["speeds"])
         runs_out.append(
             {
                 "k": _label(k),
+                "depth": d or "auto",
                 "spec_tok_s": round(tps, 2),
                 "speedup": round(tps / plain, 3),
                 "acceptance": round(row["accepted"] / row["proposed"], 3) if row["proposed"] else 0.0,
