@@ -149,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--draft-weights", choices=["fp32", "fp16", "int8", "int4"], default="int4")
     sv.add_argument("--spec-k", type=_spec_k, help="drafted tokens per round: a number, or auto (default)")
     sv.add_argument(
+        "--spec-depth",
+        type=int,
+        choices=[1, 2, 3, 4],
+        help="verify frames in flight per stream (2 = draft the next frame while one travels); default: chosen",
+    )
+    sv.add_argument(
         "--rebalance",
         action="store_true",
         help="once every stage has timed its steps, re-split the layers by those times (kept for later plans)",
@@ -410,6 +416,7 @@ def _serve(args: argparse.Namespace) -> int:
         draft=args.draft,
         draft_weights=args.draft_weights,
         spec_k=args.spec_k,
+        spec_depth=args.spec_depth,
         rebalance=args.rebalance,
     )
     run_coordinator(cfg)
