@@ -175,27 +175,6 @@ class Pipeline:
     def new_stream(self) -> str:
         return uuid.uuid4().hex[:16]
 
-    async def async_step(
-        self,
-        stream: str,
-        ids: Sequence[int],
-        *,
-        start: bool = False,
-        rollback: int = 0,
-        logits: Sequence[int] = (),
-        sampling: SamplingSpec | None = None,
-        ret_logits: bool = False,
-    ) -> tuple[int, ...]:
-        """Send one step of ``stream`` into the ring and wait for the last stage's tokens.
-
-        ``ret_logits`` asks the last stage for logits instead of ids (the naive design, for
-        the WAN comparison); the coordinator then picks the greedy tokens itself.
-        """
-        fut = self.send_step(
-            stream, ids, start=start, rollback=rollback, logits=logits, sampling=sampling, ret_logits=ret_logits
-        )
-        return await fut
-
     def send_step(
         self,
         stream: str,
@@ -207,7 +186,11 @@ class Pipeline:
         sampling: SamplingSpec | None = None,
         ret_logits: bool = False,
     ) -> asyncio.Future[tuple[int, ...]]:
-        """Send one step now (it is on the wire when this returns); the future gets its tokens.
+        """Send one step of ``stream`` into the ring now; the future gets the last stage's tokens.
+
+        ``ret_logits`` asks the last stage for logits instead of ids (the naive design, for
+        the WAN comparison); the coordinator then picks the greedy tokens itself. The frame is
+        on the wire when this returns.
 
         Several steps of one stream may be in flight: stages take them in order.
         Cancelling the future only stops waiting for it.

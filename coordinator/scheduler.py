@@ -136,7 +136,7 @@ class Scheduler:
                 yield tok
                 if i + 1 == req.max_tokens:
                     return
-                toks = await pipeline.async_step(stream, [tok], sampling=req.sampling, ret_logits=not req.ids_only)
+                toks = await pipeline.send_step(stream, [tok], sampling=req.sampling, ret_logits=not req.ids_only)
         finally:
             if draft is not None:
                 draft.session.close()
@@ -149,7 +149,7 @@ class Scheduler:
         """Plain decoding with the coordinator off the per-token path (``Fwd.auto``)."""
         chunks = [req.prompt[o : o + PREFILL_CHUNK] for o in range(0, len(req.prompt), PREFILL_CHUNK)]
         for i, c in enumerate(chunks[:-1]):
-            await pipeline.async_step(stream, c, start=i == 0, sampling=req.sampling)
+            await pipeline.send_step(stream, c, start=i == 0, sampling=req.sampling)
         q = await pipeline.async_run(
             stream,
             chunks[-1],
@@ -171,7 +171,7 @@ class Scheduler:
         toks: tuple[int, ...] = ()
         for off in range(0, len(req.prompt), PREFILL_CHUNK):
             chunk = req.prompt[off : off + PREFILL_CHUNK]
-            toks = await pipeline.async_step(
+            toks = await pipeline.send_step(
                 stream, chunk, start=off == 0, sampling=req.sampling, ret_logits=not req.ids_only
             )
         return toks

@@ -9,6 +9,7 @@ import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -161,3 +162,21 @@ def whole_int8(smollm2, export_root: Path):  # type: ignore[no-untyped-def]
 
     res = export_model(smollm2, [(0, smollm2.num_layers)], ExportOptions(weights="int8"), quiet=True)
     return Chain.load(res.dir, device="CPU", exact=True)
+
+
+def exact_config(model: Any, nodes: list[str], term: int, **kw: Any) -> Any:
+    """A coordinator config whose outputs compare token for token: INT8 weights, f32 all through."""
+    from agent.export.exporter import ExportOptions
+    from coordinator.serve import ServeConfig
+
+    return ServeConfig(
+        nodes=nodes,
+        model=model,
+        opts=ExportOptions(weights="int8"),
+        exact=True,
+        wire_dtype="f32",
+        api=False,
+        quiet=True,
+        term=term,
+        **kw,
+    )

@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 
 from agent import aio
-from agent.export.exporter import ExportOptions
 from coordinator.calibration import CalibrationStore, StageTime, fit_head_layers, propose, stage_time
 from coordinator.local_cluster import LocalCluster
 from coordinator.planner import balanced_split, model_costs
 from coordinator.scheduler import GenRequest
-from coordinator.serve import Coordinator, ServeConfig
+from coordinator.serve import Coordinator
+from tests.conftest import exact_config
 from tests.figures import report
 
 L = False  # a stage without the head
@@ -104,17 +104,7 @@ def test_a_wrong_cost_model_is_corrected_from_measured_stage_times(smollm2, smol
     prompt = tuple(smollm2_tokenizer.chat_ids([{"role": "user", "content": "Describe a lighthouse at night."}]))
 
     async def go(nodes: list[str]) -> tuple[Any, ...]:
-        cfg = ServeConfig(
-            nodes=nodes,
-            model=smollm2,
-            opts=ExportOptions(weights="int8"),
-            exact=True,
-            wire_dtype="f32",
-            api=False,
-            quiet=True,
-            failover=False,
-            term=next(_terms) * 100,
-        )
+        cfg = exact_config(smollm2, nodes, next(_terms) * 100, failover=False)
         coord = Coordinator(cfg)
         coord.calibration = CalibrationStore(tmp_path / "calibration.json")
         coord.calibration.update("smollm2-135m|int8", 40.0)

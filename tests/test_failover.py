@@ -16,11 +16,11 @@ import pytest
 
 from agent import aio
 from agent.bench.failover import generate_with_kill
-from agent.export.exporter import ExportOptions
 from coordinator.local_cluster import LocalCluster
 from coordinator.pipeline import PipelineError
 from coordinator.scheduler import GenRequest
 from coordinator.serve import Coordinator, ServeConfig
+from tests.conftest import exact_config
 from tests.figures import report
 
 TOKENS = 200
@@ -29,17 +29,7 @@ _terms = itertools.count(1)
 
 
 def _cfg(smollm2: Any, nodes: list[str]) -> ServeConfig:
-    return ServeConfig(
-        nodes=nodes,
-        model=smollm2,
-        opts=ExportOptions(weights="int8"),
-        exact=True,
-        wire_dtype="f32",
-        api=False,
-        quiet=True,
-        term=next(_terms) * 100,
-        max_streams=2,
-    )
+    return exact_config(smollm2, nodes, next(_terms) * 100, max_streams=2)  # type: ignore[no-any-return]
 
 
 def _generate(smollm2: Any, cluster: LocalCluster, prompt: tuple[int, ...], kill: tuple[int, ...] = (), at: int = -1):  # type: ignore[no-untyped-def]

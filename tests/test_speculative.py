@@ -17,7 +17,8 @@ import pytest
 from agent import aio
 from agent.protocol import SamplingSpec
 from coordinator.scheduler import GenRequest
-from coordinator.serve import Coordinator, ServeConfig
+from coordinator.serve import Coordinator
+from tests.conftest import exact_config
 from tests.figures import report
 
 QUESTIONS = [
@@ -60,17 +61,10 @@ def _run(  # type: ignore[no-untyped-def]
     smollm2, nodes: list[str], jobs: list[Job], streams: int = 4, ring_loop: bool = True, depth: int | None = None
 ):
     """Generate every job (prompt, sampling, K) on a fresh coordinator; returns tokens and counters."""
-    from agent.export.exporter import ExportOptions
-
-    cfg = ServeConfig(
-        nodes=nodes,
-        model=smollm2,
-        opts=ExportOptions(weights="int8"),
-        exact=True,
-        wire_dtype="f32",
-        api=False,
-        quiet=True,
-        term=next(_terms),  # a new coordinator each time: a higher term than any before
+    cfg = exact_config(
+        smollm2,
+        nodes,
+        next(_terms),  # a new coordinator each time: a higher term than any before
         max_streams=streams,
         draft="smollm2-135m",
         draft_weights="int4",

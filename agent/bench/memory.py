@@ -39,7 +39,7 @@ async def _grow(cfg: ServeConfig, streams: int, prompt_tokens: int) -> list[floa
         rss = [_node(cfg.nodes[0])["rss_mb"]]
         for _ in range(streams):
             sid = pipe.new_stream()
-            await pipe.async_step(sid, prompt, start=True)  # the stream stays open: its KV stays
+            await pipe.send_step(sid, prompt, start=True)  # the stream stays open: its KV stays
             rss.append(_node(cfg.nodes[0])["rss_mb"])
         return rss
     finally:
