@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import os
 import queue
 import threading
 import time
@@ -24,7 +23,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 _SPIN_BUF = bytes(64 * 1024)
 _STOP = object()
-_YIELD = bool(os.environ.get("LAKESHARD_SPIN_YIELD"))
 
 
 class ComputeThread:
@@ -69,8 +67,6 @@ class ComputeThread:
                 # loop thread takes the GIL the moment a frame arrives; a bare yield loop would
                 # grab it back at once and starve the loop on a multi-core node.
                 hashlib.sha256(_SPIN_BUF)
-                if _YIELD:
-                    os.sched_yield()
         return self._q.get()
 
     def _loop(self) -> None:
