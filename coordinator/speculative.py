@@ -132,7 +132,7 @@ class Speculator:
         fed: list[int] = []
         v = 0
         rollback = 0
-        inflight: collections.deque[tuple[asyncio.Future[tuple[int, ...]], int, float, bool]] = collections.deque()
+        inflight: collections.deque[tuple[asyncio.Future[tuple[int, ...]], int, int, float, bool]] = collections.deque()
         try:
             while emitted < max_tokens:
                 depth = depth_override or self.depth()
@@ -155,18 +155,18 @@ class Speculator:
                         logits=range(len(tokens)) if drafts else (),
                         sampling=sampling,
                     )  # on the wire now: the rollback below may count on it
-                    inflight.append((step, len(tokens), time.perf_counter(), not inflight))
+                    inflight.append((step, len(tokens), len(drafts), time.perf_counter(), not inflight))
                     feed, rollback = [], 0
                     fed += tokens
                     self.counters.proposed += len(drafts)
                     self.counters.rounds += 1 if drafts else 0
-                task, n, t0, alone = inflight.popleft()
+                task, n, proposed, t0, alone = inflight.popleft()
                 toks = await task
                 if alone:  # a round time only when nothing queued ahead of it
                     self.stats.observe_step(n, time.perf_counter() - t0)
                 if len(toks) != n:
                     raise RuntimeError(f"the last stage returned {len(toks)} tokens for {n} positions")
-                accepted, rejected = 0, False
+                accepted = 0
                 for t in toks:
                     ctx.append(t)
                     yield t
@@ -178,13 +178,12 @@ class Speculator:
                         accepted += 1
                         continue
                     # the target's own token: a correction (void everything fed after fed[v]) or the bonus
-                    rejected = v + 1 < len(fed)
                     rollback = len(fed) - (v + 1)
                     feed, fed, v = [t], [], 0
                     break
                 self.counters.accepted += accepted
-                if n > 1:
-                    self.stats.observe_accept(n - 1 if rejected or not inflight else n, accepted)
+                if proposed:  # (a frame's last output confirms the next frame's first draft: near enough)
+                    self.stats.observe_accept(proposed, min(accepted, proposed))
                 if feed:  # frames still travelling carry voided positions: their results are dropped
                     for task, *_ in inflight:
                         task.cancel()
