@@ -234,6 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="verify frames in flight per stream to measure (1, 2 = draft ahead, auto), e.g. 1,2",
     )
+    sp.add_argument(
+        "--confidence",
+        default="auto",
+        help="confidence bar to stop drafting (K=auto only): auto (from costs), off, or 0..1; e.g. auto,off",
+    )
     sp.add_argument("--prompts", choices=["code", "chat"], default="code")
     sp.add_argument("--num-prompts", type=_positive_int, default=4)
     sp.add_argument("--stages", type=_positive_int, default=1)

@@ -10,7 +10,11 @@
   running the model: free drafts while the answer copies its input, the model elsewhere.
 
 A drafter hands out one :class:`DraftSession` per stream. ``propose`` is blocking (it may
-run inference): call it off the event loop.
+run inference): call it off the event loop. A draft model also says how sure it is: after a
+proposal, ``confidence`` is the product of its probabilities for the drafted tokens (a
+stand-in for the chance that the target accepts them all), and ``propose`` stops early once
+that product falls below ``min_conf``: long drafts where the text is predictable, short ones
+where it is not.
 """
 
 from __future__ import annotations
@@ -27,8 +31,11 @@ if TYPE_CHECKING:
 
 
 class DraftSession(Protocol):
-    def propose(self, context: Sequence[int], k: int) -> list[int]:
-        """Up to ``k`` tokens likely to follow ``context`` (all tokens so far, prompt included)."""
+    confidence: float | None  # of the last proposal: product of the drafts' probabilities; None = unknown
+
+    def propose(self, context: Sequence[int], k: int, min_conf: float = 0.0) -> list[int]:
+        """Up to ``k`` tokens likely to follow ``context`` (all tokens so far, prompt included);
+        fewer once the drafter's confidence in all of them drops below ``min_conf``."""
         ...
 
     def close(self) -> None: ...
@@ -51,6 +58,7 @@ class LookupSession:
         self._ctx: list[int] = []
         self._index: dict[tuple[int, ...], int] = {}  # n-gram -> where its latest continuation starts
         self._indexed = 0  # n-grams ending before this position are indexed
+        self.confidence: float | None = None
 
     def _sync(self, context: Sequence[int]) -> None:
         n = len(context)
@@ -65,7 +73,7 @@ class LookupSession:
                     self._index[tuple(self._ctx[j - g + 1 : j + 1])] = j + 1
         self._indexed = max(self._indexed, n - 1)
 
-    def propose(self, context: Sequence[int], k: int) -> list[int]:
+    def propose(self, context: Sequence[int], k: int, min_conf: float = 0.0) -> list[int]:
         if k <= 0 or not context:
             return []
         self._sync(context)
@@ -106,19 +114,22 @@ class ModelSession:
         self._stream: Stream = drafter.stage.open_stream()
         self._stream.reset()
         self._fed: list[int] = []  # tokens whose KV slots are live, in order
+        self.confidence: float | None = None
 
-    def _feed(self, ids: Sequence[int]) -> int:
+    def _feed(self, ids: Sequence[int]) -> tuple[int, float]:
+        """Feed ``ids``; the draft's next token and its probability."""
         out = self._d.stage.forward(self._stream, np.asarray(ids, dtype=np.int64)[None, :])
         self._fed.extend(ids)
-        assert out.token_ids is not None
-        return int(out.token_ids[-1])
+        assert out.token_ids is not None and out.logits is not None
+        return int(out.token_ids[-1]), top_probability(out.logits[-1])
 
     def prefill(self, prompt: Sequence[int]) -> None:
         """Feed the prompt ahead of the first proposal (while the target prefills it too)."""
         if prompt and not self._fed:
             self._feed(prompt)
 
-    def propose(self, context: Sequence[int], k: int) -> list[int]:
+    def propose(self, context: Sequence[int], k: int, min_conf: float = 0.0) -> list[int]:
+        self.confidence = None
         if k <= 0 or not context:
             return []
         if self._lookup is not None:
@@ -134,14 +145,23 @@ class ModelSession:
             self._stream.rollback(drop)
             self._stream.maybe_compact()
             del self._fed[common:]
-        tok = self._feed(context[common:])
+        tok, conf = self._feed(context[common:])
         out = [tok]
-        while len(out) < k:
-            out.append(self._feed([out[-1]]))
+        while len(out) < k and conf >= min_conf:
+            tok, p = self._feed([out[-1]])
+            out.append(tok)
+            conf *= p
+        self.confidence = conf
         return out
 
     def close(self) -> None:
         self._fed = []
+
+
+def top_probability(logits: np.ndarray) -> float:
+    """The softmax probability of the largest logit."""
+    x = logits.astype(np.float32, copy=False)
+    return float(1.0 / np.exp(x - x.max()).sum())
 
 
 class ModelDrafter:

@@ -55,6 +55,24 @@ def choose_k(c: SpecCosts, k_max: int = K_MAX, margin: float = MARGIN) -> int:
     return best_k
 
 
+MAX_THRESHOLD = 0.9  # never demand more certainty than this of a draft
+
+
+def draft_threshold(c: SpecCosts, k: int) -> float:
+    """How sure the draft must stay to go on drafting (see :mod:`coordinator.drafting`).
+
+    One more draft costs ``draft_s + extra_s`` and is worth one token (``1 / tokens_per_s``
+    seconds at the chosen K) if the target accepts it, which needs every draft before it
+    accepted too: drafting goes on while that chance, estimated by the product of the draft's
+    probabilities, exceeds the ratio. Over a WAN a token is dear and drafts are cheap, so the
+    bar is low; on a compute-bound node it is high.
+    """
+    rate = tokens_per_s(c, max(k, 0))
+    if rate <= 0.0:
+        return 0.0
+    return min(MAX_THRESHOLD, max(0.0, (c.draft_s + c.extra_s) * rate))
+
+
 class SpecStats:
     """Running estimates of the costs in :class:`SpecCosts`, from observed rounds.
 
@@ -107,6 +125,11 @@ class SpecStats:
             return None
         extra = self.extra_s if self.extra_s is not None else 0.3 * self.step_s
         return SpecCosts(self.acceptance, self.draft_s or 0.0, self.step_s, extra)
+
+    def threshold(self, k: int) -> float:
+        """:func:`draft_threshold` at the current estimates (0 until a plain step is timed)."""
+        c = self.costs()
+        return draft_threshold(c, k) if c is not None and k > 0 else 0.0
 
     def next_k(self, remaining: int) -> int:
         """K for the next round, with ``remaining`` tokens still wanted."""

@@ -35,6 +35,7 @@ class GenRequest:
     ids_only: bool = True  # False: the last stage returns logits (the naive design)
     spec_k: int | None = None  # fixed draft length for this request (0: no speculation)
     spec_depth: int | None = None  # verify frames in flight (2: draft ahead); None: the speculator's choice
+    spec_min_conf: float | None = None  # stop drafting below this confidence (0: never); None: from costs
 
 
 class Scheduler:
@@ -120,6 +121,7 @@ class Scheduler:
                     sampling=req.sampling,
                     k_override=req.spec_k,
                     depth_override=req.spec_depth,
+                    conf_override=req.spec_min_conf,
                 )
                 try:
                     async for tok in gen:

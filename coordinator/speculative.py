@@ -34,6 +34,7 @@ class SpecConfig:
     k: int | None = None  # fixed K; None = chosen per round by the K policy
     k_max: int = K_MAX
     depth: int | None = None  # verify frames in flight per stream; None = chosen at run time
+    min_conf: float | None = None  # draft while this sure (see drafting.py); None = from costs, 0 = always K
 
 
 @dataclass
@@ -85,6 +86,16 @@ class Speculator:
             return max(0, min(k, remaining - 1))
         return self.stats.next_k(remaining)
 
+    def _min_conf(self, k: int, k_override: int | None, conf_override: float | None) -> float:
+        """How sure the draft must stay to keep drafting: 0 (draft all K) for a fixed K."""
+        if conf_override is not None:
+            return conf_override
+        if self.cfg.min_conf is not None:
+            return self.cfg.min_conf
+        if k_override is not None or self.cfg.k is not None:
+            return 0.0
+        return self.stats.threshold(k)
+
     def open_session(self, prompt: Sequence[int]) -> DraftHandle:
         """A draft session for a new stream; its prefill starts now, beside the target's."""
         session = self.cfg.drafter.session()
@@ -113,6 +124,7 @@ class Speculator:
         sampling: SamplingSpec,
         k_override: int | None = None,
         depth_override: int | None = None,
+        conf_override: float | None = None,
     ) -> AsyncGenerator[int, None]:
         """Tokens after the prefill (whose token is ``first``), ``first`` included.
 
@@ -120,7 +132,8 @@ class Speculator:
         ``fed[v]`` is the target's token after it, which confirms ``fed[v + 1]`` (a draft) or
         replaces it. With depth 2 the next frame, drafted on from unconfirmed drafts, is sent
         while one is still travelling; a rejection voids every position after it, in flight
-        or not, and the next frame's ``rollback`` masks them all at once.
+        or not, and the next frame's ``rollback`` masks them all at once. A frame is drafted
+        ahead only while the draft is sure enough of every frame still travelling.
         """
         session = handle.session
         if handle.ready is not None:  # the draft's prefill: not a cost of any round
@@ -132,19 +145,31 @@ class Speculator:
         fed: list[int] = []
         v = 0
         rollback = 0
-        inflight: collections.deque[tuple[asyncio.Future[tuple[int, ...]], int, int, float, bool]] = collections.deque()
+        # (result, positions, drafts, sent at, nothing ahead of it, the draft's confidence in it)
+        inflight: collections.deque[tuple[asyncio.Future[tuple[int, ...]], int, int, float, bool, float]] = (
+            collections.deque()
+        )
         try:
             while emitted < max_tokens:
                 depth = depth_override or self.depth()
                 while len(inflight) < depth:
                     room = max_tokens - emitted - (len(fed) - v) - len(feed)  # outputs still useful
                     k = self._next_k(room + 1, k_override) if room > 0 else 0
+                    min_conf = self._min_conf(k, k_override, conf_override)
+                    ahead = 1.0  # the chance that the frames in flight are accepted whole
+                    for f in inflight:
+                        ahead *= f[5]
+                    if inflight and ahead < min_conf:
+                        break  # a frame drafted on from them would most likely be voided
                     drafts: list[int] = []
+                    conf = 1.0
                     if k > 0:
                         t0 = time.perf_counter()
-                        got = await self._run(functools.partial(session.propose, ctx + fed[v + 1 :], k))
+                        bar = min_conf / ahead if ahead > 0 else 1.0
+                        got = await self._run(functools.partial(session.propose, ctx + fed[v + 1 :], k, bar))
                         drafts = list(got or [])[:k]
-                        self.stats.observe_draft(time.perf_counter() - t0, k)
+                        self.stats.observe_draft(time.perf_counter() - t0, len(drafts))
+                        conf = session.confidence if session.confidence is not None else 1.0
                     tokens = feed + drafts
                     if not tokens:
                         break
@@ -155,12 +180,12 @@ class Speculator:
                         logits=range(len(tokens)) if drafts else (),
                         sampling=sampling,
                     )  # on the wire now: the rollback below may count on it
-                    inflight.append((step, len(tokens), len(drafts), time.perf_counter(), not inflight))
+                    inflight.append((step, len(tokens), len(drafts), time.perf_counter(), not inflight, conf))
                     feed, rollback = [], 0
                     fed += tokens
                     self.counters.proposed += len(drafts)
                     self.counters.rounds += 1 if drafts else 0
-                task, n, proposed, t0, alone = inflight.popleft()
+                task, n, proposed, t0, alone, _ = inflight.popleft()
                 toks = await task
                 if alone:  # a round time only when nothing queued ahead of it
                     self.stats.observe_step(n, time.perf_counter() - t0)

@@ -58,6 +58,20 @@ def test_draft_model_rolls_back_rejected_tokens(smollm2) -> None:  # type: ignor
     assert s._stream.masked_slots() > 0  # rolled back by mask, not re-run
 
 
+def test_draft_model_stops_when_unsure(smollm2) -> None:  # type: ignore[no-untyped-def]
+    """The draft says how sure it is; with a bar it drafts only as far as it stays that sure."""
+    drafter = load_drafter("smollm2-135m", smollm2, weights="int8")
+    prompt = [1, 504, 3458, 282, 4649, 314, 3840, 30, 378]
+    full = drafter.session()
+    all8 = full.propose(prompt, 8)
+    assert len(all8) == 8 and full.confidence is not None and 0.0 < full.confidence <= 1.0
+    sure = drafter.session()
+    assert sure.propose(prompt, 8, min_conf=1.01) == all8[:1]  # nothing is that sure: one draft
+    bar = full.confidence**0.5  # somewhere inside this run's confidences
+    part = drafter.session().propose(prompt, 8, min_conf=bar)
+    assert 1 <= len(part) < 8 and part == all8[: len(part)]
+
+
 def test_tokenizer_check_tells_a_changed_vocabulary(smollm2, tmp_path) -> None:  # type: ignore[no-untyped-def]
     import json
 

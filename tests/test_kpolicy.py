@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.kpolicy import SpecCosts, SpecStats, choose_k, expected_tokens, tokens_per_s
+from coordinator.kpolicy import (
+    MAX_THRESHOLD,
+    SpecCosts,
+    SpecStats,
+    choose_k,
+    draft_threshold,
+    expected_tokens,
+    tokens_per_s,
+)
 
 
 @pytest.mark.parametrize(
@@ -75,3 +83,30 @@ def test_estimator_learns_to_stop_speculating_when_it_does_not_pay() -> None:
 def test_estimator_learns_a_long_k_over_a_wan() -> None:
     ks = _simulate(SpecStats(), acc=0.9, draft=0.02, step=0.44, extra=0.03, rounds=200)
     assert min(ks[-50:]) >= 0 and sorted(ks[-50:])[25] >= 7
+
+
+# (case, acceptance, draft_s, step_s, extra_s, lowest bar, highest bar)
+THRESHOLDS = [
+    # a 100 ms/hop WAN: a token costs ~a round trip, a draft ~30 ms: draft on through doubt
+    ("wan-100ms", 0.66, 0.030, 0.500, 0.010, 0.05, 0.35),
+    # one compute-bound node: a draft costs a third of a step: only sure drafts pay
+    ("cpu-one-node", 0.8, 0.036, 0.100, 0.023, 0.45, MAX_THRESHOLD),
+    # drafts that cost nothing (prompt lookup) on a fast link: almost any guess pays
+    ("free-drafts", 0.5, 0.0, 0.100, 0.001, 0.0, 0.05),
+    # drafting dearer than the tokens it could win: capped, never above the cap
+    ("dear-drafts", 0.5, 1.0, 0.100, 0.050, MAX_THRESHOLD, MAX_THRESHOLD),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "acc", "draft", "step", "extra", "lo", "hi"), THRESHOLDS, ids=[c[0] for c in THRESHOLDS]
+)
+def test_draft_threshold(case: str, acc: float, draft: float, step: float, extra: float, lo: float, hi: float) -> None:
+    c = SpecCosts(acc, draft, step, extra)
+    bar = draft_threshold(c, max(choose_k(c), 1))
+    assert lo <= bar <= hi, (case, bar)
+
+
+def test_longer_round_trips_lower_the_bar() -> None:
+    bars = [draft_threshold(SpecCosts(0.7, 0.03, 0.1 + rtt, 0.02), 6) for rtt in (0.0, 0.05, 0.1, 0.3, 0.6)]
+    assert bars == sorted(bars, reverse=True) and bars[-1] < bars[0] / 2

@@ -65,11 +65,32 @@ def parse_depths(v: str) -> list[int | None]:
     return out
 
 
-Config = tuple[int | None, int | None]  # (K, verify frames in flight); None = chosen at run time
+def parse_confidences(v: str) -> list[float | None]:
+    out: list[float | None] = []
+    for x in (x.strip() for x in v.split(",")):
+        if x == "auto":
+            out.append(None)
+            continue
+        try:
+            c = 0.0 if x == "off" else float(x)
+        except ValueError:
+            c = -1.0
+        if not 0.0 <= c <= 1.0:
+            raise BenchError(f"--confidence takes auto, off or a probability 0..1, not {x!r}")
+        out.append(c)
+    return out
 
 
-def _label(k: int | None, depth: int | None = None) -> str:
-    return ("auto" if k is None else str(k)) + ("" if depth is None else f"@{depth}")
+# (K, verify frames in flight, the draft's confidence bar); None = chosen at run time
+Config = tuple[int | None, int | None, float | None]
+
+
+def _label(k: int | None, depth: int | None = None, conf: float | None = None) -> str:
+    return (
+        ("auto" if k is None else str(k))
+        + ("" if depth is None else f"@{depth}")
+        + ("" if conf is None else f"/c{conf:g}")
+    )
 
 
 def rollback_costs(stage_dir: Path, prompt: list[int], threads: int, k: int = 3, reps: int = 15) -> dict[str, float]:
@@ -171,10 +192,10 @@ async def _measure(
         spec = sched.speculator
 
         async def one(p: list[int], c: Config, n: int) -> list[int]:
-            req = GenRequest(tuple(p), max_tokens=n, spec_k=c[0], spec_depth=c[1])
+            req = GenRequest(tuple(p), max_tokens=n, spec_k=c[0], spec_depth=c[1], spec_min_conf=c[2])
             return [t async for t in sched.async_generate(req)]
 
-        configs = [(0, None), *configs]
+        configs = [(0, None, None), *configs]
         for c in configs:  # warm-up (first inferences allocate; the K policy gets first figures)
             await asyncio.gather(*[one(p, c, 8) for p in prompts[:2]])
         res: dict[str, dict[str, Any]] = {
@@ -206,7 +227,8 @@ async def _measure(
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     ks = parse_ks(args.k)
-    parse_depths(args.depth)  # a bad --depth fails before any export
+    parse_depths(args.depth)  # a bad --depth or --confidence fails before any export
+    parse_confidences(args.confidence)
     quiet = bool(args.json)
     store = ModelStore()
     target = store.resolve(args.target, quiet=quiet)
@@ -266,19 +288,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             draft_threads=len(spare) if spare else c,
         )
         depths = parse_depths(args.depth)
-        configs: list[Config] = [(k, d) for d in depths for k in ks]
+        confs = parse_confidences(args.confidence)
+        # a fixed K drafts all K tokens: the confidence bar applies to K=auto only
+        configs: list[Config] = [(k, d, m) for d in depths for k in ks for m in (confs if k is None else [None])]
         res = aio.run(_measure(cfg, prompts, configs, args.tokens, args.runs))
     os.sched_setaffinity(0, avail)
 
     plain = statistics.median(res[_label(0)]["speeds"])
     runs_out = []
-    for k, d in configs:
-        row = res[_label(k, d)]
+    for k, d, m in configs:
+        row = res[_label(k, d, m)]
         tps = statistics.median(row["speeds"])
         runs_out.append(
             {
                 "k": _label(k),
                 "depth": d or "auto",
+                "min_conf": "auto" if m is None else m,
                 "spec_tok_s": round(tps, 2),
                 "speedup": round(tps / plain, 3),
                 "acceptance": round(row["accepted"] / row["proposed"], 3) if row["proposed"] else 0.0,
