@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import math
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,7 +35,6 @@ class SpecConfig:
     k: int | None = None  # fixed K; None = chosen per round by the K policy
     k_max: int = K_MAX
     depth: int | None = None  # verify frames in flight per stream; None = chosen at run time
-    min_conf: float | None = None  # draft while this sure (see drafting.py); None = from costs, 0 = always K
 
 
 @dataclass
@@ -90,8 +90,6 @@ class Speculator:
         """How sure the draft must stay to keep drafting: 0 (draft all K) for a fixed K."""
         if conf_override is not None:
             return conf_override
-        if self.cfg.min_conf is not None:
-            return self.cfg.min_conf
         if k_override is not None or self.cfg.k is not None:
             return 0.0
         return self.stats.threshold(k)
@@ -156,9 +154,7 @@ class Speculator:
                     room = max_tokens - emitted - (len(fed) - v) - len(feed)  # outputs still useful
                     k = self._next_k(room + 1, k_override) if room > 0 else 0
                     min_conf = self._min_conf(k, k_override, conf_override)
-                    ahead = 1.0  # the chance that the frames in flight are accepted whole
-                    for f in inflight:
-                        ahead *= f[5]
+                    ahead = math.prod(f[5] for f in inflight)  # the chance the frames in flight are accepted whole
                     if inflight and ahead < min_conf:
                         break  # a frame drafted on from them would most likely be voided
                     drafts: list[int] = []
