@@ -244,6 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--stages", type=_positive_int, default=1)
     sp.add_argument("--streams", type=_positive_int, default=1)
     sp.add_argument("--cores-per-node", type=_positive_int, help="default: this machine's cores / stages")
+    sp.add_argument(
+        "--draft-threads",
+        type=_positive_int,
+        help="the draft model's threads (default: the coordinator's own cores, else a node's count)",
+    )
     sp.add_argument("--link-delay-ms", type=float, default=0.0)
     sp.add_argument("--wan-mbps", type=float, default=100.0, help="line rate when --link-delay-ms is set")
     sp.add_argument("--tokens", type=_positive_int, default=96, help="tokens per prompt")

@@ -182,7 +182,7 @@ class StageHost:
             assert out.hidden is not None
             wire = a.wire_dtype
             h = out.hidden.astype(np.float16) if wire == "f16" else out.hidden
-            nxt = replace(fwd, dtype=wire)
+            nxt = replace(fwd, dtype=wire, busy_ms=max(fwd.busy_ms, dt * 1000))
             return Output(nxt, h.tobytes())
         assert out.token_ids is not None and out.logits is not None
         if fwd.ret_logits:
@@ -195,6 +195,7 @@ class StageHost:
                 sent_at=fwd.sent_at,
                 rows=lg.shape[0],
                 vocab=lg.shape[1],
+                busy_ms=max(fwd.busy_ms, dt * 1000),
             )
             return Output(msg, lg.tobytes())
         s = fwd.sampling
@@ -204,7 +205,14 @@ class StageHost:
             sp = Sampling(s.temperature, s.top_p, s.seed)
             rows = list(fwd.logits) if fwd.logits else [fwd.n - 1]
             toks = tuple(choose_token(out.logits[k], sp, pos0 + rows[k]) for k in range(len(rows)))
-        ids = Ids(term=fwd.term, stream=fwd.stream, seq=fwd.seq, tokens=toks, sent_at=fwd.sent_at)
+        ids = Ids(
+            term=fwd.term,
+            stream=fwd.stream,
+            seq=fwd.seq,
+            tokens=toks,
+            sent_at=fwd.sent_at,
+            busy_ms=max(fwd.busy_ms, dt * 1000),
+        )
         if fwd.auto > 0 and toks and toks[-1] not in fwd.stop:
             nxt = Fwd(
                 term=fwd.term,

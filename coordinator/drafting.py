@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 class DraftSession(Protocol):
     confidence: float | None  # of the last proposal: product of the drafts' probabilities; None = unknown
+    caught_up: int  # context tokens the last proposal first had to feed (a draft behind the stream)
 
     def propose(self, context: Sequence[int], k: int, min_conf: float = 0.0) -> list[int]:
         """Up to ``k`` tokens likely to follow ``context`` (all tokens so far, prompt included);
@@ -59,6 +60,7 @@ class LookupSession:
         self._index: dict[tuple[int, ...], int] = {}  # n-gram -> where its latest continuation starts
         self._indexed = 0  # n-grams ending before this position are indexed
         self.confidence: float | None = None
+        self.caught_up = 0
 
     def _sync(self, context: Sequence[int]) -> None:
         n = len(context)
@@ -115,6 +117,7 @@ class ModelSession:
         self._stream.reset()
         self._fed: list[int] = []  # tokens whose KV slots are live, in order
         self.confidence: float | None = None
+        self.caught_up = 0
 
     def _feed(self, ids: Sequence[int]) -> tuple[int, float]:
         """Feed ``ids``; the draft's next token and its probability."""
@@ -129,7 +132,7 @@ class ModelSession:
             self._feed(prompt)
 
     def propose(self, context: Sequence[int], k: int, min_conf: float = 0.0) -> list[int]:
-        self.confidence = None
+        self.confidence, self.caught_up = None, 0
         if k <= 0 or not context:
             return []
         if self._lookup is not None:
@@ -145,6 +148,7 @@ class ModelSession:
             self._stream.rollback(drop)
             self._stream.maybe_compact()
             del self._fed[common:]
+        self.caught_up = len(context) - common
         tok, conf = self._feed(context[common:])
         out = [tok]
         while len(out) < k and conf >= min_conf:

@@ -73,6 +73,20 @@ def draft_threshold(c: SpecCosts, k: int) -> float:
     return min(MAX_THRESHOLD, max(0.0, (c.draft_s + c.extra_s) * rate))
 
 
+def ahead_threshold(step_s: float, busy_s: float | None) -> float:
+    """How likely the frames in flight must be to be accepted whole before drafting ahead of them.
+
+    A frame drafted ahead keeps the stages busy while the frames before it travel: it gains
+    the idle part of a round (``step_s - busy_s``, where ``busy_s`` is the bottleneck stage's
+    compute) if they are accepted, and costs the bottleneck its compute if a rejection voids
+    it. It pays when ``p * (step_s - busy_s) > (1 - p) * busy_s``, that is ``p > busy_s /
+    step_s``: never on a compute-bound node, easily over a WAN. Unknown compute: no bar.
+    """
+    if busy_s is None or busy_s <= 0.0 or step_s <= 0.0:
+        return 0.0
+    return min(1.0, busy_s / step_s)
+
+
 class SpecStats:
     """Running estimates of the costs in :class:`SpecCosts`, from observed rounds.
 
@@ -89,10 +103,13 @@ class SpecStats:
         self.draft_s: float | None = None
         self.step_s: float | None = None
         self.extra_s: float | None = None
+        self.busy_s: float | None = None  # the bottleneck stage's compute in a plain step
         self._accepted = 4.0 * acceptance  # pseudo-counts for the acceptance estimate
         self._trials = 4.0
         self._probe_every = 8
         self._since_probe = 0
+        # realized output, per mode (plain / speculating): decayed tokens, seconds, observations
+        self._yield: dict[bool, list[float]] = {False: [0.0, 0.0, 0.0], True: [0.0, 0.0, 0.0]}
         self._speculating = False
         self.last_k = 0
 
@@ -103,10 +120,13 @@ class SpecStats:
         if proposed > 0:
             self.draft_s = self._ewma(self.draft_s, max(seconds, 0.0) / proposed)
 
-    def observe_step(self, positions: int, seconds: float) -> None:
-        """A pipeline round of ``positions`` verified positions took ``seconds``."""
+    def observe_step(self, positions: int, seconds: float, busy_s: float = 0.0) -> None:
+        """A pipeline round of ``positions`` verified positions took ``seconds``, of which the
+        busiest stage computed ``busy_s`` (0: not reported)."""
         if positions <= 1:
             self.step_s = self._ewma(self.step_s, seconds)
+            if busy_s > 0.0:
+                self.busy_s = self._ewma(self.busy_s, min(busy_s, seconds))
         elif self.step_s is not None:
             per = max(seconds - self.step_s, 0.0) / (positions - 1)
             self.extra_s = self._ewma(self.extra_s, per)
@@ -120,11 +140,26 @@ class SpecStats:
         self._trials = self.decay * self._trials + accepted + rejected
         self.acceptance = self._accepted / self._trials if self._trials > 0 else 0.0
 
+    def observe_yield(self, speculative: bool, tokens: int, seconds: float) -> None:
+        """A stream got ``tokens`` in ``seconds`` (since its previous result), by a speculative
+        round or a plain step: what the policy's choice really delivered, every cost included."""
+        t, s, n = self._yield[speculative]
+        self._yield[speculative] = [self.decay * t + tokens, self.decay * s + max(seconds, 0.0), n + 1]
+
+    def realized_rate(self, speculative: bool, min_obs: int = 3) -> float | None:
+        """Tokens per second delivered while speculating (or not); None until observed enough."""
+        t, s, n = self._yield[speculative]
+        return t / s if n >= min_obs and s > 0.0 else None
+
     def costs(self) -> SpecCosts | None:
         if self.step_s is None:
             return None
         extra = self.extra_s if self.extra_s is not None else 0.3 * self.step_s
         return SpecCosts(self.acceptance, self.draft_s or 0.0, self.step_s, extra)
+
+    def ahead_bar(self) -> float:
+        """:func:`ahead_threshold` at the current estimates."""
+        return ahead_threshold(self.step_s or 0.0, self.busy_s)
 
     def threshold(self, k: int) -> float:
         """:func:`draft_threshold` at the current estimates (0 until a plain step is timed)."""
@@ -142,6 +177,9 @@ class SpecStats:
         k = choose_k(c, cap)
         if self.extra_s is None or self.draft_s is None:
             k = max(k, min(2, cap))  # nothing measured about speculation yet: try it once
+        spec_rate, plain_rate = self.realized_rate(True), self.realized_rate(False)
+        if k > 0 and spec_rate is not None and plain_rate is not None and spec_rate < plain_rate * (1.0 - MARGIN):
+            k = 0  # the model promises a gain that the rounds do not deliver: believe the rounds
         if (k > 0) != self._speculating:
             self._speculating = k > 0
             # the choice flipped: watch closely again. A plain probe while speculating gives up a
@@ -149,6 +187,8 @@ class SpecStats:
             # plain less often.
             self._probe_every, self._since_probe = (32 if k > 0 else 8), 0
         self._since_probe += 1
+        if k > 0 and self._yield[False][2] < 3:
+            self._probe_every = min(self._probe_every, 4)  # speculating unchecked: time plain soon
         if self._since_probe >= self._probe_every:
             # try the other side once; probe less often while the choice holds
             self._since_probe = 0

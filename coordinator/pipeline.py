@@ -83,6 +83,8 @@ class Pipeline:
         self._control: list[aiohttp.ClientWebSocketResponse] = []
         self._link: Link | None = None
         self._pending: dict[tuple[str, int], asyncio.Future[tuple[int, ...]]] = {}
+        # per stream: the bottleneck stage's compute time of its latest step, in seconds
+        self.busy_s: dict[str, float] = {}
         self._queues: dict[str, asyncio.Queue[tuple[int, ...] | PipelineError]] = {}
         self._seq = itertools.count()
         self.assigned: list[Assigned] = []
@@ -264,6 +266,7 @@ class Pipeline:
 
     async def async_close_stream(self, stream: str) -> None:
         self._queues.pop(stream, None)
+        self.busy_s.pop(stream, None)
         if self._link is not None and not self._link.closed and self.lost is None:
             await self._link.async_send(encode(Close(term=self.term, stream=stream)))
 
@@ -278,7 +281,9 @@ class Pipeline:
                         "bad_payload", "logits payload does not match rows x vocab", msg.stream, msg.seq
                     )
                 toks = tuple(int(t) for t in logits.reshape(msg.rows, msg.vocab).argmax(axis=-1))
-                msg = Ids(term=msg.term, stream=msg.stream, seq=msg.seq, tokens=toks, sent_at=msg.sent_at)
+                msg = Ids(
+                    term=msg.term, stream=msg.stream, seq=msg.seq, tokens=toks, sent_at=msg.sent_at, busy_ms=msg.busy_ms
+                )
         except ProtocolError as e:
             log.warning("bad frame on the return path: %s", e)
             return
@@ -289,6 +294,7 @@ class Pipeline:
                 return
             fut = self._pending.get((msg.stream, msg.seq))
             if fut is not None and not fut.done():
+                self.busy_s[msg.stream] = msg.busy_ms / 1000.0
                 fut.set_result(msg.tokens)
         elif isinstance(msg, Error):
             log.warning("stage %s reported %s: %s (stream %s)", msg.stage, msg.code, msg.message, msg.stream)

@@ -55,6 +55,11 @@ class SpecCounters:
         return self.accepted / self.proposed if self.proposed else 0.0
 
 
+def accepted_prefix(fed: Sequence[int], v: int, toks: Sequence[int]) -> int:
+    """How many of ``toks`` (the target's outputs for fed[v], fed[v+1], ...) confirm drafts."""
+    return accept(fed[v + 1 : v + 1 + len(toks)], toks)
+
+
 def accept(drafts: Sequence[int], target: Sequence[int]) -> int:
     """How many drafts the target agrees with: the longest prefix with drafts[i] == target[i]."""
     a = 0
@@ -138,6 +143,7 @@ class Speculator:
             await asyncio.wrap_future(handle.ready)
         ctx = [*prompt, first]  # confirmed tokens
         yield first
+        last_t = time.perf_counter()  # when the previous result was in
         emitted = 1
         feed: list[int] = [first]  # confirmed tokens the target has not seen yet
         fed: list[int] = []
@@ -147,15 +153,20 @@ class Speculator:
         inflight: collections.deque[tuple[asyncio.Future[tuple[int, ...]], int, int, float, bool, float]] = (
             collections.deque()
         )
+        # frames voided by a rejection while still travelling: the stages compute them anyway, so
+        # a frame sent before they come back queues behind them and its time is no round time
+        voided: list[asyncio.Future[tuple[int, ...]]] = []
         try:
             while emitted < max_tokens:
                 depth = depth_override or self.depth()
+                # drafting ahead where the depth is ours to choose: only while it likely pays
+                bar_ahead = self.stats.ahead_bar() if (depth_override or self.cfg.depth) is None else 0.0
                 while len(inflight) < depth:
                     room = max_tokens - emitted - (len(fed) - v) - len(feed)  # outputs still useful
                     k = self._next_k(room + 1, k_override) if room > 0 else 0
                     min_conf = self._min_conf(k, k_override, conf_override)
                     ahead = math.prod(f[5] for f in inflight)  # the chance the frames in flight are accepted whole
-                    if inflight and ahead < min_conf:
+                    if inflight and ahead < max(min_conf, bar_ahead):
                         break  # a frame drafted on from them would most likely be voided
                     drafts: list[int] = []
                     conf = 1.0
@@ -164,8 +175,11 @@ class Speculator:
                         bar = min_conf / ahead if ahead > 0 else 1.0
                         got = await self._run(functools.partial(session.propose, ctx + fed[v + 1 :], k, bar))
                         drafts = list(got or [])[:k]
-                        self.stats.observe_draft(time.perf_counter() - t0, len(drafts))
-                        conf = session.confidence if session.confidence is not None else 1.0
+                        if session.caught_up <= 2:  # not a draft that first caught up on plain steps
+                            self.stats.observe_draft(time.perf_counter() - t0, len(drafts))
+                        # a drafter that cannot say how sure it is (prompt lookup): the measured rate
+                        said = session.confidence
+                        conf = said if said is not None else self.stats.acceptance ** len(drafts)
                     tokens = feed + drafts
                     if not tokens:
                         break
@@ -176,7 +190,9 @@ class Speculator:
                         logits=range(len(tokens)) if drafts else (),
                         sampling=sampling,
                     )  # on the wire now: the rollback below may count on it
-                    inflight.append((step, len(tokens), len(drafts), time.perf_counter(), not inflight, conf))
+                    voided = [f for f in voided if not f.done()]
+                    alone = not inflight and not voided
+                    inflight.append((step, len(tokens), len(drafts), time.perf_counter(), alone, conf))
                     feed, rollback = [], 0
                     fed += tokens
                     self.counters.proposed += len(drafts)
@@ -184,10 +200,13 @@ class Speculator:
                 task, n, proposed, t0, alone, _ = inflight.popleft()
                 toks = await task
                 if alone:  # a round time only when nothing queued ahead of it
-                    self.stats.observe_step(n, time.perf_counter() - t0)
+                    self.stats.observe_step(n, time.perf_counter() - t0, self.pipeline.busy_s.get(stream, 0.0))
                 if len(toks) != n:
                     raise RuntimeError(f"the last stage returned {len(toks)} tokens for {n} positions")
                 accepted = 0
+                now = time.perf_counter()
+                self.stats.observe_yield(proposed > 0, min(accepted_prefix(fed, v, toks) + 1, len(toks)), now - last_t)
+                last_t = now
                 for t in toks:
                     ctx.append(t)
                     yield t
@@ -207,9 +226,16 @@ class Speculator:
                     self.stats.observe_accept(proposed, min(accepted, proposed))
                 if feed:  # frames still travelling carry voided positions: their results are dropped
                     for task, *_ in inflight:
-                        task.cancel()
+                        task.add_done_callback(_discard)
+                        voided.append(task)
                     inflight.clear()
         finally:
-            for task, *_ in inflight:
+            for task in [*(f[0] for f in inflight), *voided]:
                 task.cancel()
             session.close()
+
+
+def _discard(fut: asyncio.Future[tuple[int, ...]]) -> None:
+    """A voided frame's result or error: nobody wants it."""
+    if not fut.cancelled():
+        fut.exception()

@@ -8,6 +8,7 @@ from coordinator.kpolicy import (
     MAX_THRESHOLD,
     SpecCosts,
     SpecStats,
+    ahead_threshold,
     choose_k,
     draft_threshold,
     expected_tokens,
@@ -56,13 +57,19 @@ def test_longer_round_trips_never_shorten_k() -> None:
     assert ks == sorted(ks) and ks[-1] > ks[0]
 
 
-def _simulate(stats: SpecStats, acc: float, draft: float, step: float, extra: float, rounds: int) -> list[int]:
-    """Feed the estimator rounds of a machine with these true costs (deterministic acceptance)."""
+def _simulate(
+    stats: SpecStats, acc: float, draft: float, step: float, extra: float, rounds: int, hidden: float = 0.0
+) -> list[int]:
+    """Feed the estimator rounds of a machine with these true costs (deterministic acceptance).
+
+    ``hidden``: a speculative round's cost that neither the draft's nor the step's timing
+    shows (say, the draft and the stage fighting over the same cores)."""
     chosen = []
     carry = 0.0
     for _ in range(rounds):
         k = stats.next_k(1000)
         chosen.append(k)
+        a = 0
         if k:
             stats.observe_draft(draft * k, k)
             # accept a fraction ``acc`` of drafts on average, as whole-token prefixes
@@ -71,6 +78,7 @@ def _simulate(stats: SpecStats, acc: float, draft: float, step: float, extra: fl
             carry -= a
             stats.observe_accept(k, a)
         stats.observe_step(k + 1, step + extra * k)
+        stats.observe_yield(k > 0, a + 1, draft * k + step + extra * k + (hidden if k else 0.0))
     return chosen
 
 
@@ -78,6 +86,16 @@ def test_estimator_learns_to_stop_speculating_when_it_does_not_pay() -> None:
     ks = _simulate(SpecStats(), acc=0.3, draft=0.04, step=0.1, extra=0.03, rounds=300)
     tail = ks[-100:]
     assert tail.count(0) >= 95  # plain, apart from rare probes
+
+
+def test_rounds_that_deliver_less_than_plain_turn_speculation_off() -> None:
+    # the timed costs promise a gain (cheap draft, high acceptance); each round really costs
+    # half a step more than they show: what the stream gets decides
+    ks = _simulate(SpecStats(), acc=0.7, draft=0.03, step=0.1, extra=0.02, rounds=300, hidden=0.2)
+    assert ks[-100:].count(0) >= 90
+    # the same costs, nothing hidden: it speculates
+    ks = _simulate(SpecStats(), acc=0.7, draft=0.03, step=0.1, extra=0.02, rounds=300)
+    assert ks[-100:].count(0) <= 10
 
 
 def test_estimator_learns_a_long_k_over_a_wan() -> None:
@@ -110,3 +128,30 @@ def test_draft_threshold(case: str, acc: float, draft: float, step: float, extra
 def test_longer_round_trips_lower_the_bar() -> None:
     bars = [draft_threshold(SpecCosts(0.7, 0.03, 0.1 + rtt, 0.02), 6) for rtt in (0.0, 0.05, 0.1, 0.3, 0.6)]
     assert bars == sorted(bars, reverse=True) and bars[-1] < bars[0] / 2
+
+
+# (case, round time of a plain step, the busiest stage's compute in it, lowest bar, highest bar)
+AHEAD = [
+    # one compute-bound node: the stage is busy all round; a voided frame costs a whole step
+    ("one-node", 0.036, 0.034, 0.9, 1.0),
+    # two stages on a LAN: each idles while the other computes
+    ("lan-2-stages", 0.110, 0.055, 0.4, 0.6),
+    # 100 ms/hop: the stages idle most of a round; drafting ahead pays on even odds
+    ("wan-100ms", 0.500, 0.060, 0.0, 0.15),
+    # agents that do not report compute: no bar
+    ("unknown", 0.100, None, 0.0, 0.0),
+]
+
+
+@pytest.mark.parametrize(("case", "step", "busy", "lo", "hi"), AHEAD, ids=[c[0] for c in AHEAD])
+def test_ahead_threshold(case: str, step: float, busy: float | None, lo: float, hi: float) -> None:
+    assert lo <= ahead_threshold(step, busy) <= hi, case
+
+
+def test_estimator_learns_the_bottleneck_from_plain_steps() -> None:
+    stats = SpecStats()
+    assert stats.ahead_bar() == 0.0  # nothing measured: no bar
+    for _ in range(40):
+        stats.observe_step(1, 0.5, busy_s=0.06)
+        stats.observe_step(5, 0.7, busy_s=0.2)  # a verify step's compute is not a plain step's
+    assert stats.ahead_bar() == pytest.approx(0.12, abs=0.01)

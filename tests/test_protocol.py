@@ -40,12 +40,13 @@ def test_messages_round_trip() -> None:
         logits=(0, 2),
         sampling=SamplingSpec(0.7, 0.9, 42),
         sent_at=12.5,
+        busy_ms=31.5,
     )
     msg, payload = decode(encode(fwd, ids))
     assert msg == fwd
     assert np.array_equal(tensor(msg, payload, 0), ids)  # type: ignore[arg-type]
     for m in (
-        Ids(term=1, stream="a", seq=2, tokens=(5, 6)),
+        Ids(term=1, stream="a", seq=2, tokens=(5, 6), busy_ms=12.25),
         Close(term=1, stream="a"),
         Error(code="bad_input", message="no", stream="a", seq=3, stage=1),
         Assign(
@@ -103,6 +104,8 @@ GOOD = {"t": "fwd", "term": 1, "stream": "s", "seq": 0, "n": 1, "dtype": "i32"}
         (_frame({**GOOD, "sampling": [-1.0, 1.0, 0]}), "bad_field"),
         (_frame({**GOOD, "start": "yes"}), "bad_field"),
         (_frame({**GOOD, "rollback": 1 << 40}), "bad_field"),
+        (_frame({**GOOD, "busy_ms": -5.0}), "bad_field"),
+        (_frame({**GOOD, "busy_ms": "slow"}), "bad_field"),
     ],
 )
 def test_malformed_frames_are_refused(frame: bytes, code: str) -> None:

@@ -220,6 +220,14 @@ async def _measure(
                 + ", ".join(f"K={name} {v['speeds'][-1]:.2f}" for name, v in res.items())
                 + " tok/s"
             )
+        learned = spec.stats.costs()
+        if learned is not None:  # what the K policy learned, for the report
+            res["policy"] = {
+                "acceptance": round(learned.acceptance, 3),
+                "draft_ms": round(1000 * learned.draft_s, 2),
+                "step_ms": round(1000 * learned.step_s, 2),
+                "extra_ms": round(1000 * learned.extra_s, 2),
+            }
         return res
     finally:
         await coord.async_stop()
@@ -259,6 +267,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "prompts": args.prompts,
         "weights": weights,
         "draft_weights": args.draft_weights,
+        "draft_threads": args.draft_threads or (len(spare) if spare else c),
         "stages": n,
         "streams": s,
         "cores_per_node": c,
@@ -285,7 +294,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             link_mbps=args.wan_mbps if args.link_delay_ms > 0 else 0.0,
             draft=args.draft,
             draft_weights=args.draft_weights,
-            draft_threads=len(spare) if spare else c,
+            draft_threads=args.draft_threads or (len(spare) if spare else c),
         )
         depths = parse_depths(args.depth)
         confs = parse_confidences(args.confidence)
@@ -294,6 +303,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res = aio.run(_measure(cfg, prompts, configs, args.tokens, args.runs))
     os.sched_setaffinity(0, avail)
 
+    policy = res.pop("policy", None)
     plain = statistics.median(res[_label(0)]["speeds"])
     runs_out = []
     for k, d, m in configs:
@@ -312,7 +322,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             }
         )
     best = max(runs_out, key=lambda r: r["spec_tok_s"])
-    result.update({"plain_tok_s": round(plain, 2), **best, "runs": runs_out})
+    result.update({"plain_tok_s": round(plain, 2), **best, "runs": runs_out, "policy_costs": policy})
     if n == 1 and args.link_delay_ms == 0 and not args.no_genai:
         fixed = [k for k in ks if k is not None]
         gk = int(best["k"]) if best["k"] != "auto" else (fixed[0] if fixed else 3)

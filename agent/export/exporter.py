@@ -29,7 +29,7 @@ from agent.progress import step
 
 log = logging.getLogger(__name__)
 
-EXPORT_VERSION = 3
+EXPORT_VERSION = 4
 WEIGHTS = ("fp32", "fp16", "int8", "int4")
 
 

@@ -57,6 +57,8 @@ def convert_stage(module: StageModule, config: Any, *, beam_idx: bool = True) ->
 
     for port, name in zip(model.inputs, names, strict=True):
         port.get_tensor().set_names({name})
+        # GenAI's PagedAttention rewrite (SDPAToPagedAttention) finds inputs by node name.
+        port.get_node().set_friendly_name(name)
     out_names = (
         (["logits"] if module.full_logits else ["logits", "token_ids"]) if spec.last else ["hidden_states_out"]
     ) + kv_out
@@ -101,6 +103,7 @@ def _fast_argmax(model: ov.Model) -> None:
 def _fuse_beam_idx(model: ov.Model, kv_in: list[str]) -> None:
     beam = ops.parameter(ov.PartialShape([-1]), ov.Type.i32, name="beam_idx")
     beam.output(0).get_tensor().set_names({"beam_idx"})
+    beam.set_friendly_name("beam_idx")
     model.add_parameters([beam])
     for name in kv_in:
         port = model.input(name)

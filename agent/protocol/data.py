@@ -68,6 +68,7 @@ class Fwd(Message):
     ret_logits: bool = False  # the "naive" design: the last stage sends logits, not ids
     auto: int = 0
     stop: tuple[int, ...] = ()
+    busy_ms: float = 0.0  # the longest any stage so far computed this frame (the ring's bottleneck)
 
     def header(self) -> dict[str, Any]:
         d = super().header()
@@ -106,6 +107,7 @@ class Fwd(Message):
                 ret_logits=ret_logits,
                 auto=int_field(h.get("auto", 0), "auto", 0, 1 << 20),
                 stop=int_list_field(h.get("stop", []), "stop", 64),
+                busy_ms=float_field(h.get("busy_ms", 0.0), "busy_ms", 0.0, 1e7),
             )
         except ProtocolError as e:
             e.stream, e.seq = stream, seq
@@ -128,6 +130,7 @@ class Ids(Message):
     sent_at: float = 0.0
     rows: int = 0
     vocab: int = 0
+    busy_ms: float = 0.0  # the longest any stage computed this step
 
     def header(self) -> dict[str, Any]:
         d = super().header()
@@ -144,6 +147,7 @@ class Ids(Message):
             sent_at=float_field(h.get("sent_at", 0.0), "sent_at", 0.0, 1e12),
             rows=int_field(h.get("rows", 0), "rows", 0, MAX_TOKENS_PER_FRAME),
             vocab=int_field(h.get("vocab", 0), "vocab", 0, 1 << 24),
+            busy_ms=float_field(h.get("busy_ms", 0.0), "busy_ms", 0.0, 1e7),
         )
 
 
