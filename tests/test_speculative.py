@@ -60,7 +60,7 @@ Job = tuple[tuple[int, ...], SamplingSpec, int]
 def _run(  # type: ignore[no-untyped-def]
     smollm2, nodes: list[str], jobs: list[Job], streams: int = 4, ring_loop: bool = True, depth: int | None = None
 ):
-    """Generate every job (prompt, sampling, K) on a fresh coordinator; returns tokens and counters."""
+    """Generate every job (prompt, sampling, K) on a fresh coordinator; returns tokens and the speculator."""
     cfg = exact_config(
         smollm2,
         nodes,
@@ -84,7 +84,7 @@ def _run(  # type: ignore[no-untyped-def]
                 return [t async for t in sched.async_generate(req)]
 
             out = await asyncio.gather(*[one(p, s, k) for p, s, k in jobs])
-            return list(out), sched.speculator.counters
+            return list(out), sched.speculator
         finally:
             await coord.async_stop()
 
@@ -97,7 +97,8 @@ def test_speculative_output_equals_plain(stages: int, cluster, smollm2, prompts)
     jobs = [(p, _sampling(i, sampled), 0) for sampled in (False, True) for i, p in enumerate(prompts)]
     ks = (1, 3, 5, 8)
     jobs += [(p, s, k) for k in ks for p, s, _ in jobs[: 2 * len(prompts)]]
-    out, counters = _run(smollm2, nodes, jobs)
+    out, spec = _run(smollm2, nodes, jobs)
+    counters = spec.counters
     n = 2 * len(prompts)
     plain = out[:n]
     assert all(len(t) > 0 for t in plain)
@@ -118,7 +119,8 @@ def test_drafting_ahead_equals_plain(cluster, smollm2, prompts) -> None:  # type
     jobs = [(p, _sampling(i, sampled), 0) for sampled in (False, True) for i, p in enumerate(prompts[:5])]
     plain, _ = _run(smollm2, cluster.nodes, jobs, depth=1)
     ks = (2, 5)
-    ahead, counters = _run(smollm2, cluster.nodes, [(p, s, k) for k in ks for p, s, _ in jobs], depth=2)
+    ahead, spec = _run(smollm2, cluster.nodes, [(p, s, k) for k in ks for p, s, _ in jobs], depth=2)
+    counters = spec.counters
     for j, k in enumerate(ks):
         got = ahead[j * len(jobs) : (j + 1) * len(jobs)]
         for i, (a, b) in enumerate(zip(got, plain, strict=True)):
@@ -141,8 +143,13 @@ def test_concurrent_speculative_streams_equal_their_solo_plain_runs(cluster, smo
 def test_auto_k_output_equals_plain(cluster, smollm2, prompts) -> None:  # type: ignore[no-untyped-def]
     jobs = [(p, SamplingSpec(), 0) for p in prompts[:4]]
     plain, _ = _run(smollm2, cluster.nodes[:2], jobs)
-    auto, _ = _run(smollm2, cluster.nodes[:2], [(p, s, None) for p, s, _ in jobs])  # type: ignore[misc]
+    auto, spec = _run(smollm2, cluster.nodes[:2], [(p, s, None) for p, s, _ in jobs])  # type: ignore[misc]
     assert auto == plain
+    # every frame reported its slowest stage's compute: part of a round, and not all of it
+    stats = spec.stats
+    assert stats.busy_s is not None and stats.step_s is not None
+    assert 0.0 < stats.busy_s < stats.step_s
+    assert 0.0 < stats.ahead_bar() < 1.0
 
 
 @pytest.mark.parametrize("stages", [1, 3])
