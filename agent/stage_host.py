@@ -178,11 +178,12 @@ class StageHost:
             e.stream, e.seq = fwd.stream, fwd.seq
             raise
         self.frames += 1
+        busy_ms = max(fwd.busy_ms, dt * 1000)  # the ring's bottleneck so far
         if not stage.last:
             assert out.hidden is not None
             wire = a.wire_dtype
             h = out.hidden.astype(np.float16) if wire == "f16" else out.hidden
-            nxt = replace(fwd, dtype=wire, busy_ms=max(fwd.busy_ms, dt * 1000))
+            nxt = replace(fwd, dtype=wire, busy_ms=busy_ms)
             return Output(nxt, h.tobytes())
         assert out.token_ids is not None and out.logits is not None
         if fwd.ret_logits:
@@ -195,7 +196,7 @@ class StageHost:
                 sent_at=fwd.sent_at,
                 rows=lg.shape[0],
                 vocab=lg.shape[1],
-                busy_ms=max(fwd.busy_ms, dt * 1000),
+                busy_ms=busy_ms,
             )
             return Output(msg, lg.tobytes())
         s = fwd.sampling
@@ -211,7 +212,7 @@ class StageHost:
             seq=fwd.seq,
             tokens=toks,
             sent_at=fwd.sent_at,
-            busy_ms=max(fwd.busy_ms, dt * 1000),
+            busy_ms=busy_ms,
         )
         if fwd.auto > 0 and toks and toks[-1] not in fwd.stop:
             nxt = Fwd(

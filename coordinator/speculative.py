@@ -55,11 +55,6 @@ class SpecCounters:
         return self.accepted / self.proposed if self.proposed else 0.0
 
 
-def accepted_prefix(fed: Sequence[int], v: int, toks: Sequence[int]) -> int:
-    """How many of ``toks`` (the target's outputs for fed[v], fed[v+1], ...) confirm drafts."""
-    return accept(fed[v + 1 : v + 1 + len(toks)], toks)
-
-
 def accept(drafts: Sequence[int], target: Sequence[int]) -> int:
     """How many drafts the target agrees with: the longest prefix with drafts[i] == target[i]."""
     a = 0
@@ -203,14 +198,13 @@ class Speculator:
                     self.stats.observe_step(n, time.perf_counter() - t0, self.pipeline.busy_s.get(stream, 0.0))
                 if len(toks) != n:
                     raise RuntimeError(f"the last stage returned {len(toks)} tokens for {n} positions")
-                accepted = 0
+                accepted = yielded = 0
                 now = time.perf_counter()
-                self.stats.observe_yield(proposed > 0, min(accepted_prefix(fed, v, toks) + 1, len(toks)), now - last_t)
-                last_t = now
                 for t in toks:
                     ctx.append(t)
                     yield t
                     emitted += 1
+                    yielded += 1
                     if emitted >= max_tokens:
                         return
                     if v + 1 < len(fed) and fed[v + 1] == t:  # a draft confirmed: it is in the KV already
@@ -222,6 +216,8 @@ class Speculator:
                     feed, fed, v = [t], [], 0
                     break
                 self.counters.accepted += accepted
+                self.stats.observe_yield(proposed > 0, yielded, now - last_t)
+                last_t = now
                 if proposed:  # (a frame's last output confirms the next frame's first draft: near enough)
                     self.stats.observe_accept(proposed, min(accepted, proposed))
                 if feed:  # frames still travelling carry voided positions: their results are dropped

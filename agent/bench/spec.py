@@ -250,6 +250,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise BenchError(f"{n} nodes x {c} cores need {n * c} cores; this machine has {len(avail)}")
     node_cores = [avail[i * c : (i + 1) * c] for i in range(n)]
     spare = avail[n * c :]
+    draft_threads = args.draft_threads or (len(spare) if spare else c)
 
     from agent.runtime.tokenizer import ChatTokenizer
     from coordinator.serve import plan_ranges
@@ -267,7 +268,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "prompts": args.prompts,
         "weights": weights,
         "draft_weights": args.draft_weights,
-        "draft_threads": args.draft_threads or (len(spare) if spare else c),
+        "draft_threads": draft_threads,
         "stages": n,
         "streams": s,
         "cores_per_node": c,
@@ -294,7 +295,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             link_mbps=args.wan_mbps if args.link_delay_ms > 0 else 0.0,
             draft=args.draft,
             draft_weights=args.draft_weights,
-            draft_threads=args.draft_threads or (len(spare) if spare else c),
+            draft_threads=draft_threads,
         )
         depths = parse_depths(args.depth)
         confs = parse_confidences(args.confidence)
