@@ -28,6 +28,7 @@ class SpecCosts:
     draft_s: float  # draft time per proposed token
     step_s: float  # round time of a plain 1-token step: compute on every stage + all hops
     extra_s: float  # added round time per additional verified position
+    plain_s: float | None = None  # time per token of plain decoding round the ring (no coordinator hop)
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -39,6 +40,8 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 
 def tokens_per_s(c: SpecCosts, k: int) -> float:
+    if k == 0 and c.plain_s is not None and c.plain_s > 0.0:
+        return 1.0 / c.plain_s  # plain decoding runs round the ring, not through the coordinator
     return expected_tokens(c.acceptance, k) / (k * (c.draft_s + c.extra_s) + c.step_s)
 
 
@@ -104,6 +107,7 @@ class SpecStats:
         self.step_s: float | None = None
         self.extra_s: float | None = None
         self.busy_s: float | None = None  # the bottleneck stage's compute in a plain step
+        self.ring_s: float | None = None  # time per token while plain decoding runs round the ring
         self._accepted = 4.0 * acceptance  # pseudo-counts for the acceptance estimate
         self._trials = 4.0
         self._probe_every = 8
@@ -131,6 +135,10 @@ class SpecStats:
             per = max(seconds - self.step_s, 0.0) / (positions - 1)
             self.extra_s = self._ewma(self.extra_s, per)
 
+    def observe_ring(self, seconds: float) -> None:
+        """One token of plain decoding round the ring (no coordinator hop) took ``seconds``."""
+        self.ring_s = self._ewma(self.ring_s, max(seconds, 0.0))
+
     def observe_accept(self, proposed: int, accepted: int) -> None:
         """``accepted`` of ``proposed`` drafts matched (a rejection ends the round)."""
         if proposed <= 0:
@@ -155,7 +163,23 @@ class SpecStats:
         if self.step_s is None:
             return None
         extra = self.extra_s if self.extra_s is not None else 0.3 * self.step_s
-        return SpecCosts(self.acceptance, self.draft_s or 0.0, self.step_s, extra)
+        return SpecCosts(self.acceptance, self.draft_s or 0.0, self.step_s, extra, self.ring_s)
+
+    @property
+    def speculating(self) -> bool:
+        """Whether the policy's current choice is to speculate (probes aside)."""
+        return self._speculating
+
+    def plain_rounds(self, limit: int) -> int:
+        """Right after :meth:`next_k` chose plain (not as a probe): how many plain rounds, this
+        one included and at most ``limit``, come before the policy next looks at speculation.
+        They are taken now, so they can run round the ring without the coordinator; 1 where
+        the next round must be the coordinator's (a plain probe while speculating)."""
+        if self._speculating or self.last_k != 0 or self.step_s is None or limit <= 1:
+            return 1
+        n = max(1, min(limit, self._probe_every - self._since_probe))
+        self._since_probe += n - 1
+        return n
 
     def ahead_bar(self) -> float:
         """:func:`ahead_threshold` at the current estimates."""

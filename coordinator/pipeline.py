@@ -225,12 +225,15 @@ class Pipeline:
         auto: int,
         stop: Sequence[int] = (),
         sampling: SamplingSpec | None = None,
+        rollback: int = 0,
     ) -> asyncio.Queue[tuple[int, ...] | PipelineError]:
         """Send a step that the ring continues on its own for up to ``auto`` more tokens.
 
         Every token the last stage produces for ``stream`` (this step's, then the ring's own
         steps') arrives on the returned queue; an error arrives as a PipelineError. The queue
-        lives until :meth:`async_close_stream`.
+        lives until :meth:`end_run` or :meth:`async_close_stream`. Steps of the stream sent
+        before it still resolve their own futures. When the run is over (``auto`` tokens after
+        the first), the last token is the stream's pending one: the ring did not feed it.
         """
         link = self._ready()
         q: asyncio.Queue[tuple[int, ...] | PipelineError] = asyncio.Queue()
@@ -244,8 +247,13 @@ class Pipeline:
             sampling=sampling or SamplingSpec(),
             auto=auto,
             stop=tuple(stop),
+            rollback=rollback,
         )
         return q
+
+    def end_run(self, stream: str) -> None:
+        """The ring run of ``stream`` is over: its later steps resolve futures again."""
+        self._queues.pop(stream, None)
 
     def _ready(self) -> Link:
         """The link to stage 0, if this pipeline can take work."""
@@ -288,14 +296,16 @@ class Pipeline:
             log.warning("bad frame on the return path: %s", e)
             return
         if isinstance(msg, Ids):
+            fut = self._pending.get((msg.stream, msg.seq))
+            if fut is not None:  # a step sent with send_step (maybe ahead of a ring run)
+                if not fut.done():
+                    self.busy_s[msg.stream] = msg.busy_ms / 1000.0
+                    fut.set_result(msg.tokens)
+                return
             q = self._queues.get(msg.stream)
             if q is not None:
-                q.put_nowait(msg.tokens)
-                return
-            fut = self._pending.get((msg.stream, msg.seq))
-            if fut is not None and not fut.done():
                 self.busy_s[msg.stream] = msg.busy_ms / 1000.0
-                fut.set_result(msg.tokens)
+                q.put_nowait(msg.tokens)
         elif isinstance(msg, Error):
             log.warning("stage %s reported %s: %s (stream %s)", msg.stage, msg.code, msg.message, msg.stream)
             for stream, q in self._queues.items():

@@ -104,7 +104,7 @@ class Scheduler:
     async def _generate_once(self, pipeline: Pipeline, req: GenRequest) -> AsyncGenerator[int, None]:
         stream = pipeline.new_stream()
         spec = self.speculator if req.ids_only and req.spec_k != 0 else None
-        draft = spec.open_session(req.prompt) if spec is not None else None
+        draft = spec.open_session(req.prompt, req.spec_k) if spec is not None else None
         try:
             if spec is None and req.ids_only and self.ring_loop:
                 async for tok in self._in_ring(pipeline, stream, req):
@@ -119,6 +119,7 @@ class Scheduler:
                     toks[-1],
                     max_tokens=req.max_tokens,
                     sampling=req.sampling,
+                    stop=sorted(req.stop_ids)[:MAX_STOP],
                     k_override=req.spec_k,
                     depth_override=req.spec_depth,
                     conf_override=req.spec_min_conf,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from agent.protocol import SamplingSpec
 from coordinator.drafting import Drafter, DraftSession
 from coordinator.kpolicy import K_MAX, SpecStats
-from coordinator.pipeline import Pipeline
+from coordinator.pipeline import Pipeline, PipelineError
 
 
 @dataclass
@@ -49,6 +49,7 @@ class SpecCounters:
     proposed: int = 0
     accepted: int = 0
     tokens: int = 0
+    ring_tokens: int = 0  # plain tokens decoded round the ring (K=auto settled on plain)
 
     @property
     def acceptance(self) -> float:
@@ -94,11 +95,18 @@ class Speculator:
             return 0.0
         return self.stats.threshold(k)
 
-    def open_session(self, prompt: Sequence[int]) -> DraftHandle:
-        """A draft session for a new stream; its prefill starts now, beside the target's."""
+    def _auto(self, k_override: int | None) -> bool:
+        """Whether K is the policy's to choose."""
+        return k_override is None and self.cfg.k is None
+
+    def open_session(self, prompt: Sequence[int], k_override: int | None = None) -> DraftHandle:
+        """A draft session for a new stream. Its prefill starts now, beside the target's, where
+        the stream will speculate from its first rounds (a fixed K, or the policy speculating or
+        still unsure); else the draft catches up on the context if a probe ever needs it."""
         session = self.cfg.drafter.session()
         prefill = getattr(session, "prefill", None)
-        ready = self._pool.submit(prefill, list(prompt)) if prefill is not None else None
+        eager = not self._auto(k_override) or self.stats.costs() is None or self.stats.speculating
+        ready = self._pool.submit(prefill, list(prompt)) if prefill is not None and eager else None
         return DraftHandle(session, ready)
 
     def depth(self) -> int:
@@ -120,6 +128,7 @@ class Speculator:
         *,
         max_tokens: int,
         sampling: SamplingSpec,
+        stop: Sequence[int] = (),
         k_override: int | None = None,
         depth_override: int | None = None,
         conf_override: float | None = None,
@@ -132,6 +141,10 @@ class Speculator:
         while one is still travelling; a rejection voids every position after it, in flight
         or not, and the next frame's ``rollback`` masks them all at once. A frame is drafted
         ahead only while the draft is sure enough of every frame still travelling.
+
+        Where the policy (K=auto) settles on plain decoding, the plain rounds up to its next
+        look at speculation run round the ring (``Fwd.auto``), as a plain stream's do: no
+        coordinator hop per token. ``stop`` ids end such a run early.
         """
         session = handle.session
         if handle.ready is not None:  # the draft's prefill: not a cost of any round
@@ -156,9 +169,14 @@ class Speculator:
                 depth = depth_override or self.depth()
                 # drafting ahead where the depth is ours to choose: only while it likely pays
                 bar_ahead = self.stats.ahead_bar() if (depth_override or self.cfg.depth) is None else 0.0
+                ring = 0
                 while len(inflight) < depth:
                     room = max_tokens - emitted - (len(fed) - v) - len(feed)  # outputs still useful
                     k = self._next_k(room + 1, k_override) if room > 0 else 0
+                    if k == 0 and not inflight and self._auto(k_override):
+                        ring = self.stats.plain_rounds(room + 1)
+                        if ring > 1:
+                            break
                     min_conf = self._min_conf(k, k_override, conf_override)
                     ahead = math.prod(f[5] for f in inflight)  # the chance the frames in flight are accepted whole
                     if inflight and ahead < max(min_conf, bar_ahead):
@@ -170,8 +188,11 @@ class Speculator:
                         bar = min_conf / ahead if ahead > 0 else 1.0
                         got = await self._run(functools.partial(session.propose, ctx + fed[v + 1 :], k, bar))
                         drafts = list(got or [])[:k]
-                        if session.caught_up <= 2:  # not a draft that first caught up on plain steps
-                            self.stats.observe_draft(time.perf_counter() - t0, len(drafts))
+                        dt = time.perf_counter() - t0
+                        if session.caught_up <= 2:
+                            self.stats.observe_draft(dt, len(drafts))
+                        else:  # the draft first caught up on plain rounds: a cost of the probe, not of speculating
+                            last_t += dt
                         # a drafter that cannot say how sure it is (prompt lookup): the measured rate
                         said = session.confidence
                         conf = said if said is not None else self.stats.acceptance ** len(drafts)
@@ -192,6 +213,33 @@ class Speculator:
                     fed += tokens
                     self.counters.proposed += len(drafts)
                     self.counters.rounds += 1 if drafts else 0
+                if ring > 1:  # plain rounds, round the ring
+                    q = await self.pipeline.async_run(
+                        stream, feed, start=False, auto=ring - 1, stop=stop, sampling=sampling, rollback=rollback
+                    )
+                    feed, rollback = [], 0
+                    prev: float | None = None
+                    try:
+                        for _ in range(ring):
+                            item = await q.get()
+                            if isinstance(item, PipelineError):
+                                raise item
+                            now = time.perf_counter()
+                            if prev is not None:  # the first token's time includes the hop from here
+                                self.stats.observe_ring(now - prev)
+                            self.stats.observe_yield(False, 1, now - last_t)
+                            prev = last_t = now
+                            t = item[-1]
+                            ctx.append(t)
+                            self.counters.ring_tokens += 1
+                            yield t
+                            emitted += 1
+                            if emitted >= max_tokens or t in stop:
+                                return
+                    finally:
+                        self.pipeline.end_run(stream)
+                    feed = [t]  # the run's last token: not fed yet
+                    continue
                 task, n, proposed, t0, alone, _ = inflight.popleft()
                 toks = await task
                 if alone:  # a round time only when nothing queued ahead of it

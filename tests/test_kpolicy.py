@@ -155,3 +155,45 @@ def test_estimator_learns_the_bottleneck_from_plain_steps() -> None:
         stats.observe_step(1, 0.5, busy_s=0.06)
         stats.observe_step(5, 0.7, busy_s=0.2)  # a verify step's compute is not a plain step's
     assert stats.ahead_bar() == pytest.approx(0.12, abs=0.01)
+
+
+def test_plain_round_the_ring_raises_the_bar_for_speculating() -> None:
+    # 100 ms/hop, 2 stages: a coordinator-driven round has 3 hops, the ring's own 2; middling
+    # drafts beat coordinator-driven steps (3.9 vs 2.9 tok/s at K=2) but not the ring (4.0)
+    c = SpecCosts(0.5, 0.02, 0.35, 0.03)
+    assert choose_k(c) == 2
+    ring = SpecCosts(0.5, 0.02, 0.35, 0.03, plain_s=0.25)
+    assert tokens_per_s(ring, 0) == pytest.approx(4.0)
+    assert choose_k(ring) == 0
+
+
+# (case, seed the policy on plain?, speculating?, limit, plain rounds given)
+PLAIN_ROUNDS = [
+    ("settled-on-plain", True, False, 1000, 7),  # up to the next probe (every 8 rounds at first)
+    ("few-tokens-left", True, False, 3, 3),
+    ("one-token-left", True, False, 1, 1),
+    ("speculating: a plain probe is the coordinator's", False, True, 1000, 1),
+    ("nothing timed yet: the coordinator times a step", None, False, 1000, 1),
+]
+
+
+@pytest.mark.parametrize(("case", "plain", "spec", "limit", "want"), PLAIN_ROUNDS, ids=[c[0] for c in PLAIN_ROUNDS])
+def test_plain_rounds(case: str, plain: bool | None, spec: bool, limit: int, want: int) -> None:
+    s = SpecStats()
+    if plain is not None:  # costs under which plain pays (dear drafts), or speculation does (free ones)
+        s.step_s, s.extra_s, s.draft_s = 0.1, 0.01, (1.0 if plain else 0.0)
+        s.acceptance = 0.1 if plain else 0.9
+    k = s.next_k(1000)
+    assert (k > 0) == spec or plain is None
+    assert s.plain_rounds(limit) == want
+
+
+def test_plain_rounds_end_at_a_probe() -> None:
+    s = SpecStats()
+    s.step_s, s.extra_s, s.draft_s = 0.1, 0.01, 1.0
+    given = []
+    for _ in range(6):
+        k = s.next_k(1000)
+        given.append(s.plain_rounds(1000) if k == 0 else -k)
+    # ring runs up to each probe (K=2 here), and probes grow rarer while they confirm plain
+    assert given == [7, -2, 15, -2, 31, -2]

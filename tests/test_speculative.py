@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 from agent import aio
 from agent.protocol import SamplingSpec
+from coordinator.kpolicy import SpecStats
 from coordinator.scheduler import GenRequest
 from coordinator.serve import Coordinator
 from tests.conftest import exact_config
@@ -58,9 +59,16 @@ Job = tuple[tuple[int, ...], SamplingSpec, int]
 
 
 def _run(  # type: ignore[no-untyped-def]
-    smollm2, nodes: list[str], jobs: list[Job], streams: int = 4, ring_loop: bool = True, depth: int | None = None
+    smollm2,
+    nodes: list[str],
+    jobs: list[Job],
+    streams: int = 4,
+    ring_loop: bool = True,
+    depth: int | None = None,
+    prime: Callable[[SpecStats], None] | None = None,
 ):
-    """Generate every job (prompt, sampling, K) on a fresh coordinator; returns tokens and the speculator."""
+    """Generate every job (prompt, sampling, K) on a fresh coordinator; returns tokens and the
+    speculator. ``prime`` sets the K policy's cost estimates before the first request."""
     cfg = exact_config(
         smollm2,
         nodes,
@@ -78,6 +86,8 @@ def _run(  # type: ignore[no-untyped-def]
         try:
             sched = coord.scheduler
             assert sched is not None and sched.speculator is not None
+            if prime is not None:
+                prime(sched.speculator.stats)
 
             async def one(prompt: tuple[int, ...], s: SamplingSpec, k: int) -> list[int]:
                 req = GenRequest(prompt=prompt, max_tokens=TOKENS, sampling=s, spec_k=k)
@@ -150,6 +160,26 @@ def test_auto_k_output_equals_plain(cluster, smollm2, prompts) -> None:  # type:
     assert stats.busy_s is not None and stats.step_s is not None
     assert 0.0 < stats.busy_s < stats.step_s
     assert 0.0 < stats.ahead_bar() < 1.0
+
+
+def _plain_pays(stats: SpecStats) -> None:
+    """Costs under which the policy decodes plain: a draft token dearer than ten steps."""
+    stats.step_s, stats.extra_s, stats.draft_s = 0.01, 0.01, 0.1
+
+
+def test_auto_k_between_ring_runs_and_probes_equals_plain(cluster, smollm2, prompts) -> None:  # type: ignore[no-untyped-def]
+    """K=auto settled on plain: the plain rounds up to each probe run round the ring, and each
+    probe's draft first catches up on them (no draft prefill at the start); rejections roll
+    back on the next ring run's first frame. Greedy and seeded, 3 stages, 4 streams at once."""
+    jobs = [(p, _sampling(i, sampled), 0) for sampled in (False, True) for i, p in enumerate(prompts[:4])]
+    plain, _ = _run(smollm2, cluster.nodes, jobs)
+    auto, spec = _run(smollm2, cluster.nodes, [(p, s, None) for p, s, _ in jobs], prime=_plain_pays)  # type: ignore[misc]
+    for i, (a, b) in enumerate(zip(auto, plain, strict=True)):
+        assert a == b, f"{'sampled' if i >= 4 else 'greedy'} prompt {i % 4}"
+    c = spec.counters
+    assert c.ring_tokens > sum(len(t) for t in auto) // 2  # most tokens came round the ring ...
+    assert c.rounds > 0 and c.proposed > c.accepted  # ... with probes between the runs, rejections among them
+    report(f"K=auto plain in the ring: {c.ring_tokens} ring tokens, {c.rounds} probe rounds, == plain")
 
 
 @pytest.mark.parametrize("stages", [1, 3])
