@@ -228,6 +228,8 @@ async def _measure(
                 "step_ms": round(1000 * learned.step_s, 2),
                 "extra_ms": round(1000 * learned.extra_s, 2),
             }
+            if learned.plain_s is not None:  # a plain token round the ring (K=auto's plain stretches)
+                res["policy"]["ring_ms"] = round(1000 * learned.plain_s, 2)
         return res
     finally:
         await coord.async_stop()
