@@ -16,10 +16,12 @@ link or prompt moves K.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 K_MAX = 16
 MARGIN = 0.03  # speculate only when the model predicts at least this gain over plain
+PROBE_BUDGET = 0.01  # share of plain decoding time that speculative probes' catch-up may cost
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,9 @@ class SpecStats:
         self._trials = 4.0
         self._probe_every = 8
         self._since_probe = 0
+        # plain decoding time still to pass before a speculative probe: what the last probe's
+        # catch-up cost, divided by the budget (a draft model behind by a whole context is dear)
+        self.probe_debt_s = 0.0
         # realized output, per mode (plain / speculating): decayed tokens, seconds, observations
         self._yield: dict[bool, list[float]] = {False: [0.0, 0.0, 0.0], True: [0.0, 0.0, 0.0]}
         self._speculating = False
@@ -153,6 +158,14 @@ class SpecStats:
         round or a plain step: what the policy's choice really delivered, every cost included."""
         t, s, n = self._yield[speculative]
         self._yield[speculative] = [self.decay * t + tokens, self.decay * s + max(seconds, 0.0), n + 1]
+        if not speculative:
+            self.probe_debt_s = max(0.0, self.probe_debt_s - max(seconds, 0.0))
+
+    def charge_probe(self, seconds: float) -> None:
+        """A probe's draft first spent ``seconds`` catching up on the plain rounds before it: the
+        next probe waits until plain decoding has run ``seconds / PROBE_BUDGET``, so probing
+        costs at most that share of the time whatever the draft model and context length."""
+        self.probe_debt_s = max(self.probe_debt_s, max(seconds, 0.0) / PROBE_BUDGET)
 
     def realized_rate(self, speculative: bool, min_obs: int = 3) -> float | None:
         """Tokens per second delivered while speculating (or not); None until observed enough."""
@@ -177,7 +190,11 @@ class SpecStats:
         the next round must be the coordinator's (a plain probe while speculating)."""
         if self._speculating or self.last_k != 0 or self.step_s is None or limit <= 1:
             return 1
-        n = max(1, min(limit, self._probe_every - self._since_probe))
+        due = self._probe_every - self._since_probe
+        if self.probe_debt_s > 0.0:  # and until the last probe's catch-up is paid for
+            per = self.ring_s or self.step_s or 1.0
+            due = max(due, math.ceil(self.probe_debt_s / per))
+        n = max(1, min(limit, due))
         self._since_probe += n - 1
         return n
 
@@ -213,7 +230,7 @@ class SpecStats:
         self._since_probe += 1
         if k > 0 and self._yield[False][2] < 3:
             self._probe_every = min(self._probe_every, 4)  # speculating unchecked: time plain soon
-        if self._since_probe >= self._probe_every:
+        if self._since_probe >= self._probe_every and (k > 0 or self.probe_debt_s <= 0.0):
             # try the other side once; probe less often while the choice holds
             self._since_probe = 0
             self._probe_every = min(self._probe_every * 2, 256)

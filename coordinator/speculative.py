@@ -191,8 +191,9 @@ class Speculator:
                         dt = time.perf_counter() - t0
                         if session.caught_up <= 2:
                             self.stats.observe_draft(dt, len(drafts))
-                        else:  # the draft first caught up on plain rounds: a cost of the probe, not of speculating
+                        else:  # the draft first caught up on plain rounds: a cost of probing, not of speculating
                             last_t += dt
+                            self.stats.charge_probe(dt)
                         # a drafter that cannot say how sure it is (prompt lookup): the measured rate
                         said = session.confidence
                         conf = said if said is not None else self.stats.acceptance ** len(drafts)
