@@ -40,7 +40,8 @@ class SpecConfig:
 @dataclass
 class DraftHandle:
     session: DraftSession
-    ready: Future[None] | None  # the draft's prefill of the prompt, if it has one
+    ready: Future[None] | None = None  # the draft's prefill of the prompt, if it has one
+    prefill_s: float = 0.0  # how long that prefill took
 
 
 @dataclass
@@ -105,9 +106,17 @@ class Speculator:
         still unsure); else the draft catches up on the context if a probe ever needs it."""
         session = self.cfg.drafter.session()
         prefill = getattr(session, "prefill", None)
-        eager = not self._auto(k_override) or self.stats.costs() is None or self.stats.speculating
-        ready = self._pool.submit(prefill, list(prompt)) if prefill is not None and eager else None
-        return DraftHandle(session, ready)
+        handle = DraftHandle(session)
+        if prefill is not None and (not self._auto(k_override) or self.stats.costs() is None or self.stats.speculating):
+            ids = list(prompt)
+
+            def timed() -> None:
+                t0 = time.perf_counter()
+                prefill(ids)
+                handle.prefill_s = time.perf_counter() - t0
+
+            handle.ready = self._pool.submit(timed)
+        return handle
 
     def depth(self) -> int:
         """Verify frames a stream keeps in flight: 2 (draft ahead while one travels) once a
@@ -278,6 +287,8 @@ class Speculator:
             for task in [*(f[0] for f in inflight), *voided]:
                 task.cancel()
             session.close()
+            if handle.prefill_s > 0.0:
+                self.stats.observe_setup(handle.prefill_s, emitted)
 
 
 def _discard(fut: asyncio.Future[tuple[int, ...]]) -> None:
