@@ -163,8 +163,9 @@ class SpecStats:
             self.probe_debt_s = max(0.0, self.probe_debt_s - max(seconds, 0.0))
 
     def observe_setup(self, seconds: float, tokens: int) -> None:
-        """A request whose draft prefilled its prompt (``seconds``, beside the target's prefill
-        on the same cores) got ``tokens``: a cost of speculating that no round shows."""
+        """A request whose draft prefilled its prompt or caught up on its context (``seconds``
+        in all, on cores the target may share) got ``tokens``: a cost of speculating that no
+        round shows."""
         if tokens > 0:
             self.setup_s = self._ewma(self.setup_s, max(seconds, 0.0) / tokens)
 

@@ -41,7 +41,7 @@ class SpecConfig:
 class DraftHandle:
     session: DraftSession
     ready: Future[None] | None = None  # the draft's prefill of the prompt, if it has one
-    prefill_s: float = 0.0  # how long that prefill took
+    prefill_s: float = 0.0  # how long that prefill took, and later catch-ups on plain rounds
 
 
 @dataclass
@@ -203,6 +203,7 @@ class Speculator:
                         else:  # the draft first caught up on plain rounds: a cost of probing, not of speculating
                             last_t += dt
                             self.stats.charge_probe(dt)
+                            handle.prefill_s += dt
                         # a drafter that cannot say how sure it is (prompt lookup): the measured rate
                         said = session.confidence
                         conf = said if said is not None else self.stats.acceptance ** len(drafts)
@@ -287,7 +288,7 @@ class Speculator:
             for task in [*(f[0] for f in inflight), *voided]:
                 task.cancel()
             session.close()
-            if handle.prefill_s > 0.0:
+            if handle.prefill_s > 0.0:  # what keeping the draft up with this request cost
                 self.stats.observe_setup(handle.prefill_s, emitted)
 
 
