@@ -110,7 +110,6 @@ class SpecStats:
         self.extra_s: float | None = None
         self.busy_s: float | None = None  # the bottleneck stage's compute in a plain step
         self.ring_s: float | None = None  # time per token while plain decoding runs round the ring
-        self.setup_s: float | None = None  # the draft's prefill of a request's prompt, per token the request got
         self._accepted = 4.0 * acceptance  # pseudo-counts for the acceptance estimate
         self._trials = 4.0
         self._probe_every = 8
@@ -162,13 +161,6 @@ class SpecStats:
         if not speculative:
             self.probe_debt_s = max(0.0, self.probe_debt_s - max(seconds, 0.0))
 
-    def observe_setup(self, seconds: float, tokens: int) -> None:
-        """A request whose draft prefilled its prompt or caught up on its context (``seconds``
-        in all, on cores the target may share) got ``tokens``: a cost of speculating that no
-        round shows."""
-        if tokens > 0:
-            self.setup_s = self._ewma(self.setup_s, max(seconds, 0.0) / tokens)
-
     def charge_probe(self, seconds: float) -> None:
         """A probe's draft first spent ``seconds`` catching up on the plain rounds before it: the
         next probe waits until plain decoding has run ``seconds / PROBE_BUDGET``, so probing
@@ -176,11 +168,8 @@ class SpecStats:
         self.probe_debt_s = max(self.probe_debt_s, max(seconds, 0.0) / PROBE_BUDGET)
 
     def realized_rate(self, speculative: bool, min_obs: int = 3) -> float | None:
-        """Tokens per second delivered while speculating (or not); None until observed enough.
-        Speculating also pays the draft's prefill of each request, spread over its tokens."""
+        """Tokens per second delivered while speculating (or not); None until observed enough."""
         t, s, n = self._yield[speculative]
-        if speculative:
-            s += t * (self.setup_s or 0.0)
         return t / s if n >= min_obs and s > 0.0 else None
 
     def costs(self) -> SpecCosts | None:

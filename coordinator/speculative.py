@@ -40,8 +40,7 @@ class SpecConfig:
 @dataclass
 class DraftHandle:
     session: DraftSession
-    ready: Future[None] | None = None  # the draft's prefill of the prompt, if it has one
-    prefill_s: float = 0.0  # how long that prefill took, and later catch-ups on plain rounds
+    ready: Future[None] | None  # the draft's prefill of the prompt, if it has one
 
 
 @dataclass
@@ -106,17 +105,9 @@ class Speculator:
         still unsure); else the draft catches up on the context if a probe ever needs it."""
         session = self.cfg.drafter.session()
         prefill = getattr(session, "prefill", None)
-        handle = DraftHandle(session)
-        if prefill is not None and (not self._auto(k_override) or self.stats.costs() is None or self.stats.speculating):
-            ids = list(prompt)
-
-            def timed() -> None:
-                t0 = time.perf_counter()
-                prefill(ids)
-                handle.prefill_s = time.perf_counter() - t0
-
-            handle.ready = self._pool.submit(timed)
-        return handle
+        eager = not self._auto(k_override) or self.stats.costs() is None or self.stats.speculating
+        ready = self._pool.submit(prefill, list(prompt)) if prefill is not None and eager else None
+        return DraftHandle(session, ready)
 
     def depth(self) -> int:
         """Verify frames a stream keeps in flight: 2 (draft ahead while one travels) once a
@@ -203,7 +194,6 @@ class Speculator:
                         else:  # the draft first caught up on plain rounds: a cost of probing, not of speculating
                             last_t += dt
                             self.stats.charge_probe(dt)
-                            handle.prefill_s += dt
                         # a drafter that cannot say how sure it is (prompt lookup): the measured rate
                         said = session.confidence
                         conf = said if said is not None else self.stats.acceptance ** len(drafts)
@@ -288,8 +278,6 @@ class Speculator:
             for task in [*(f[0] for f in inflight), *voided]:
                 task.cancel()
             session.close()
-            if handle.prefill_s > 0.0:  # what keeping the draft up with this request cost
-                self.stats.observe_setup(handle.prefill_s, emitted)
 
 
 def _discard(fut: asyncio.Future[tuple[int, ...]]) -> None:

@@ -98,16 +98,6 @@ def test_rounds_that_deliver_less_than_plain_turn_speculation_off() -> None:
     assert ks[-100:].count(0) <= 10
 
 
-@pytest.mark.parametrize(("prefill_s", "speculates"), [(0.0, True), (0.5, True), (1.5, False), (3.0, False)])
-def test_the_drafts_prefill_counts_against_speculating(prefill_s: float, speculates: bool) -> None:
-    """Rounds that beat plain by 13%, but each 64-token request first has the draft prefill its
-    prompt on the target's cores: from about a second on, plain decoding delivers more."""
-    stats = SpecStats()
-    stats.observe_setup(prefill_s, 64)
-    ks = _simulate(stats, acc=0.7, draft=0.03, step=0.1, extra=0.02, rounds=300)
-    assert (ks[-100:].count(0) <= 10) == speculates, ks[-100:].count(0)
-
-
 def test_estimator_learns_a_long_k_over_a_wan() -> None:
     ks = _simulate(SpecStats(), acc=0.9, draft=0.02, step=0.44, extra=0.03, rounds=200)
     assert min(ks[-50:]) >= 0 and sorted(ks[-50:])[25] >= 7

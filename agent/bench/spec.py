@@ -230,8 +230,6 @@ async def _measure(
             }
             if learned.plain_s is not None:  # a plain token round the ring (K=auto's plain stretches)
                 res["policy"]["ring_ms"] = round(1000 * learned.plain_s, 2)
-            if spec.stats.setup_s is not None:  # the draft's prefill of a request, per token it got
-                res["policy"]["draft_prefill_ms_per_token"] = round(1000 * spec.stats.setup_s, 2)
         return res
     finally:
         await coord.async_stop()
