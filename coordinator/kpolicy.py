@@ -192,7 +192,7 @@ class SpecStats:
             return 1
         due = self._probe_every - self._since_probe
         if self.probe_debt_s > 0.0:  # and until the last probe's catch-up is paid for
-            per = self.ring_s or self.step_s or 1.0
+            per = self.ring_s or self.step_s
             due = max(due, math.ceil(self.probe_debt_s / per))
         n = max(1, min(limit, due))
         self._since_probe += n - 1

@@ -48,6 +48,13 @@ class PipelineError(RuntimeError):
         self.code = code
 
 
+def run_token(item: tuple[int, ...] | PipelineError) -> int:
+    """One item of a ring run's queue (see :meth:`Pipeline.async_run`) as its token; an error raises."""
+    if isinstance(item, PipelineError):
+        raise item
+    return item[-1]
+
+
 @dataclass(frozen=True)
 class StagePlacement:
     node: str  # host:port of the agent

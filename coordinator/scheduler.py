@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
 from agent.protocol import SamplingSpec
-from coordinator.pipeline import Pipeline, PipelineError
+from coordinator.pipeline import Pipeline, PipelineError, run_token
 from coordinator.speculative import SpecConfig, Speculator
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,11 @@ class GenRequest:
     spec_k: int | None = None  # fixed draft length for this request (0: no speculation)
     spec_depth: int | None = None  # verify frames in flight (2: draft ahead); None: the speculator's choice
     spec_min_conf: float | None = None  # stop drafting below this confidence (0: never); None: from costs
+
+
+def _ring_stop(req: GenRequest) -> list[int]:
+    """The stop ids a ring run checks itself (the coordinator checks them all)."""
+    return sorted(req.stop_ids)[:MAX_STOP]
 
 
 class Scheduler:
@@ -119,7 +124,7 @@ class Scheduler:
                     toks[-1],
                     max_tokens=req.max_tokens,
                     sampling=req.sampling,
-                    stop=sorted(req.stop_ids)[:MAX_STOP],
+                    stop=_ring_stop(req),
                     k_override=req.spec_k,
                     depth_override=req.spec_depth,
                     conf_override=req.spec_min_conf,
@@ -158,14 +163,11 @@ class Scheduler:
             chunks[-1],
             start=len(chunks) == 1,
             auto=req.max_tokens - 1,
-            stop=sorted(req.stop_ids)[:MAX_STOP],
+            stop=_ring_stop(req),
             sampling=req.sampling,
         )
         for _ in range(req.max_tokens):
-            item = await q.get()
-            if isinstance(item, PipelineError):
-                raise item
-            tok = item[-1]
+            tok = run_token(await q.get())
             if tok in req.stop_ids:
                 return
             yield tok

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from agent.protocol import SamplingSpec
 from coordinator.drafting import Drafter, DraftSession
 from coordinator.kpolicy import K_MAX, SpecStats
-from coordinator.pipeline import Pipeline, PipelineError
+from coordinator.pipeline import Pipeline, run_token
 
 
 @dataclass
@@ -105,7 +105,7 @@ class Speculator:
         still unsure); else the draft catches up on the context if a probe ever needs it."""
         session = self.cfg.drafter.session()
         prefill = getattr(session, "prefill", None)
-        eager = not self._auto(k_override) or self.stats.costs() is None or self.stats.speculating
+        eager = not self._auto(k_override) or self.stats.step_s is None or self.stats.speculating
         ready = self._pool.submit(prefill, list(prompt)) if prefill is not None and eager else None
         return DraftHandle(session, ready)
 
@@ -222,15 +222,12 @@ class Speculator:
                     prev: float | None = None
                     try:
                         for _ in range(ring):
-                            item = await q.get()
-                            if isinstance(item, PipelineError):
-                                raise item
+                            t = run_token(await q.get())
                             now = time.perf_counter()
                             if prev is not None:  # the first token's time includes the hop from here
                                 self.stats.observe_ring(now - prev)
                             self.stats.observe_yield(False, 1, now - last_t)
                             prev = last_t = now
-                            t = item[-1]
                             ctx.append(t)
                             self.counters.ring_tokens += 1
                             yield t

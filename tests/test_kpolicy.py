@@ -188,9 +188,15 @@ def test_plain_rounds(case: str, plain: bool | None, spec: bool, limit: int, wan
     assert s.plain_rounds(limit) == want
 
 
-def test_plain_rounds_end_at_a_probe() -> None:
+def _plain_pays(ring_s: float | None = None) -> SpecStats:
+    """An estimator whose costs say plain decoding pays (a draft token dearer than ten steps)."""
     s = SpecStats()
-    s.step_s, s.extra_s, s.draft_s = 0.1, 0.01, 1.0
+    s.step_s, s.extra_s, s.draft_s, s.ring_s = 0.1, 0.01, 1.0, ring_s
+    return s
+
+
+def test_plain_rounds_end_at_a_probe() -> None:
+    s = _plain_pays()
     given = []
     for _ in range(6):
         k = s.next_k(1000)
@@ -203,8 +209,7 @@ def test_plain_rounds_end_at_a_probe() -> None:
 def test_a_dear_probe_pushes_the_next_one_back(catch_up_s: float, first_probe: int) -> None:
     """A probe whose draft model first caught up on a long context cost ``catch_up_s``: the next
     probe waits until plain decoding has run that over PROBE_BUDGET (1%), in time, not rounds."""
-    s = SpecStats()
-    s.step_s, s.extra_s, s.draft_s, s.ring_s = 0.1, 0.01, 1.0, 0.1  # plain pays; 0.1 s a token
+    s = _plain_pays(ring_s=0.1)  # 0.1 s a token
     s.charge_probe(catch_up_s)
     ks = []
     for _ in range(first_probe + 50):
@@ -213,8 +218,7 @@ def test_a_dear_probe_pushes_the_next_one_back(catch_up_s: float, first_probe: i
         if k == 0:
             s.observe_yield(False, 1, 0.1)
     assert ks.index(2) == pytest.approx(first_probe, abs=2)
-    s2 = SpecStats()
-    s2.step_s, s2.extra_s, s2.draft_s, s2.ring_s = 0.1, 0.01, 1.0, 0.1
+    s2 = _plain_pays(ring_s=0.1)
     s2.charge_probe(catch_up_s)
     assert s2.next_k(10**6) == 0
     assert s2.plain_rounds(10**6) == pytest.approx(max(first_probe, 7), abs=2)  # what runs round the ring first
