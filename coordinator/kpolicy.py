@@ -22,6 +22,7 @@ from dataclasses import dataclass
 K_MAX = 16
 MARGIN = 0.03  # speculate only when the model predicts at least this gain over plain
 PROBE_BUDGET = 0.01  # share of plain decoding time that speculative probes' catch-up may cost
+PROBE_EVERY_MAX = 256  # rounds: the longest interval between probes while a choice holds
 
 
 @dataclass(frozen=True)
@@ -101,8 +102,18 @@ class SpecStats:
     probing interval doubles while probes keep confirming the choice.
     """
 
-    def __init__(self, *, k_max: int = K_MAX, decay: float = 0.85, acceptance: float = 0.6) -> None:
+    def __init__(
+        self,
+        *,
+        k_max: int = K_MAX,
+        decay: float = 0.85,
+        acceptance: float = 0.6,
+        probe_budget: float = PROBE_BUDGET,
+        probe_every_max: int = PROBE_EVERY_MAX,
+    ) -> None:
         self.k_max = k_max
+        self.probe_budget = probe_budget
+        self.probe_every_max = probe_every_max
         self.decay = decay
         self.acceptance = acceptance
         self.draft_s: float | None = None
@@ -163,9 +174,9 @@ class SpecStats:
 
     def charge_probe(self, seconds: float) -> None:
         """A probe's draft first spent ``seconds`` catching up on the plain rounds before it: the
-        next probe waits until plain decoding has run ``seconds / PROBE_BUDGET``, so probing
+        next probe waits until plain decoding has run ``seconds / probe_budget``, so probing
         costs at most that share of the time whatever the draft model and context length."""
-        self.probe_debt_s = max(self.probe_debt_s, max(seconds, 0.0) / PROBE_BUDGET)
+        self.probe_debt_s = max(self.probe_debt_s, max(seconds, 0.0) / self.probe_budget)
 
     def realized_rate(self, speculative: bool, min_obs: int = 3) -> float | None:
         """Tokens per second delivered while speculating (or not); None until observed enough."""
@@ -233,7 +244,7 @@ class SpecStats:
         if self._since_probe >= self._probe_every and (k > 0 or self.probe_debt_s <= 0.0):
             # try the other side once; probe less often while the choice holds
             self._since_probe = 0
-            self._probe_every = min(self._probe_every * 2, 256)
+            self._probe_every = min(self._probe_every * 2, self.probe_every_max)
             k = 0 if k > 0 else min(2, cap)
         self.last_k = k
         return k

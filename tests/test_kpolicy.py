@@ -205,6 +205,16 @@ def test_plain_rounds_end_at_a_probe() -> None:
     assert given == [7, -2, 15, -2, 31, -2]
 
 
+def test_probe_interval_stops_growing_at_its_cap() -> None:
+    s = _plain_pays()
+    s.probe_every_max = 16
+    given = []
+    for _ in range(8):
+        k = s.next_k(1000)
+        given.append(s.plain_rounds(1000) if k == 0 else -k)
+    assert given == [7, -2, 15, -2, 15, -2, 15, -2]
+
+
 @pytest.mark.parametrize(("catch_up_s", "first_probe"), [(0.0, 7), (0.5, 500), (2.0, 2000)])
 def test_a_dear_probe_pushes_the_next_one_back(catch_up_s: float, first_probe: int) -> None:
     """A probe whose draft model first caught up on a long context cost ``catch_up_s``: the next
