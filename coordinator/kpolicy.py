@@ -23,6 +23,7 @@ K_MAX = 16
 MARGIN = 0.03  # speculate only when the model predicts at least this gain over plain
 PROBE_BUDGET = 0.01  # share of plain decoding time that speculative probes' catch-up may cost
 PROBE_EVERY_MAX = 256  # rounds: the longest interval between probes while a choice holds
+PREFILL_MIN_TOKENS = 32  # shorter draft prefills are mostly fixed cost: not timed per token
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,14 @@ def choose_k(c: SpecCosts, k_max: int = K_MAX, margin: float = MARGIN) -> int:
         if r > best * (1.0 + 1e-9):
             best_k, best = k, r
     return best_k
+
+
+def prefill_pays(plain_rate: float, spec_rate: float, tokens: int, prefill_s: float) -> bool:
+    """Whether a request of up to ``tokens`` new tokens repays the draft model's prefill of its
+    prompt (``prefill_s`` seconds): speculating saves ``1/plain_rate - 1/spec_rate`` a token."""
+    if spec_rate <= plain_rate or plain_rate <= 0.0:
+        return False
+    return tokens * (1.0 / plain_rate - 1.0 / spec_rate) > prefill_s
 
 
 MAX_THRESHOLD = 0.9  # never demand more certainty than this of a draft
@@ -132,6 +141,8 @@ class SpecStats:
         self._yield: dict[bool, list[float]] = {False: [0.0, 0.0, 0.0], True: [0.0, 0.0, 0.0]}
         self._speculating = False
         self.last_k = 0
+        self.prefill_s: float | None = None  # the draft model's prefill time per prompt token
+        self._prefills = 0
 
     def _ewma(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1.0 - self.decay) * new
@@ -171,6 +182,30 @@ class SpecStats:
         self._yield[speculative] = [self.decay * t + tokens, self.decay * s + max(seconds, 0.0), n + 1]
         if not speculative:
             self.probe_debt_s = max(0.0, self.probe_debt_s - max(seconds, 0.0))
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The draft model prefilled a ``tokens``-token prompt in ``seconds``. The first prefill
+        (a cold model) and short ones (mostly fixed cost) are not taken per token."""
+        self._prefills += 1
+        if self._prefills > 1 and tokens >= PREFILL_MIN_TOKENS:
+            self.prefill_s = self._ewma(self.prefill_s, max(seconds, 0.0) / tokens)
+
+    def draft_pays(self, prompt_len: int, max_tokens: int) -> bool:
+        """While the policy speculates: whether a new request of ``prompt_len`` prompt tokens and
+        up to ``max_tokens`` new ones repays the draft's prefill of its prompt, at the rate
+        speculation delivers (the model's promise, or the rounds' record where lower) against
+        plain decoding's. True until a prefill is timed."""
+        c = self.costs()
+        if c is None or self.prefill_s is None:
+            return True
+        k = choose_k(c, min(self.k_max, max(max_tokens - 1, 0)))
+        if k == 0:
+            return False
+        spec = tokens_per_s(c, k)
+        realized = self.realized_rate(True)
+        if realized is not None:
+            spec = min(spec, realized)
+        return prefill_pays(tokens_per_s(c, 0), spec, max_tokens, self.prefill_s * prompt_len)
 
     def charge_probe(self, seconds: float) -> None:
         """A probe's draft first spent ``seconds`` catching up on the plain rounds before it: the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
@@ -109,7 +110,9 @@ class Scheduler:
     async def _generate_once(self, pipeline: Pipeline, req: GenRequest) -> AsyncGenerator[int, None]:
         stream = pipeline.new_stream()
         spec = self.speculator if req.ids_only and req.spec_k != 0 else None
-        draft = spec.open_session(req.prompt, req.spec_k) if spec is not None else None
+        draft = spec.open_session(req.prompt, req.spec_k, req.max_tokens) if spec is not None else None
+        if draft is None:  # plain throughout: a request the draft's prefill would not pay for
+            spec = None
         try:
             if spec is None and req.ids_only and self.ring_loop:
                 async for tok in self._in_ring(pipeline, stream, req):
@@ -166,8 +169,14 @@ class Scheduler:
             stop=_ring_stop(req),
             sampling=req.sampling,
         )
+        stats = self.speculator.stats if self.speculator is not None else None
+        prev: float | None = None
         for _ in range(req.max_tokens):
             tok = run_token(await q.get())
+            now = time.perf_counter()
+            if stats is not None and prev is not None:  # the K policy's plain rate stays current
+                stats.observe_ring(now - prev)
+            prev = now
             if tok in req.stop_ids:
                 return
             yield tok

@@ -40,7 +40,8 @@ class SpecConfig:
 @dataclass
 class DraftHandle:
     session: DraftSession
-    ready: Future[None] | None  # the draft's prefill of the prompt, if it has one
+    ready: Future[float] | None  # the draft's prefill of the prompt (its seconds), if it has one
+    prompt_len: int = 0
 
 
 @dataclass
@@ -50,6 +51,7 @@ class SpecCounters:
     accepted: int = 0
     tokens: int = 0
     ring_tokens: int = 0  # plain tokens decoded round the ring (K=auto settled on plain)
+    declined: int = 0  # requests that ran without the draft: its prefill would not have paid
 
     @property
     def acceptance(self) -> float:
@@ -99,15 +101,26 @@ class Speculator:
         """Whether K is the policy's to choose."""
         return k_override is None and self.cfg.k is None
 
-    def open_session(self, prompt: Sequence[int], k_override: int | None = None) -> DraftHandle:
-        """A draft session for a new stream. Its prefill starts now, beside the target's, where
-        the stream will speculate from its first rounds (a fixed K, or the policy speculating or
-        still unsure); else the draft catches up on the context if a probe ever needs it."""
+    def open_session(
+        self, prompt: Sequence[int], k_override: int | None = None, max_tokens: int | None = None
+    ) -> DraftHandle | None:
+        """A draft session for a new stream, or None where the stream had better decode plain
+        throughout (round the ring): the policy speculates, but this request is too short to
+        repay the draft model's prefill of its prompt. The prefill starts now, beside the
+        target's, where the stream will speculate from its first rounds (a fixed K, or the
+        policy speculating or still unsure); else the draft catches up on the context if a
+        probe ever needs it."""
         session = self.cfg.drafter.session()
         prefill = getattr(session, "prefill", None)
-        eager = not self._auto(k_override) or self.stats.step_s is None or self.stats.speculating
-        ready = self._pool.submit(prefill, list(prompt)) if prefill is not None and eager else None
-        return DraftHandle(session, ready)
+        auto = self._auto(k_override)
+        speculating = auto and self.stats.speculating
+        if prefill is not None and speculating and max_tokens and not self.stats.draft_pays(len(prompt), max_tokens):
+            session.close()
+            self.counters.declined += 1
+            return None
+        eager = not auto or self.stats.step_s is None or self.stats.speculating
+        ready = self._pool.submit(_timed, prefill, list(prompt)) if prefill is not None and eager else None
+        return DraftHandle(session, ready, len(prompt))
 
     def depth(self) -> int:
         """Verify frames a stream keeps in flight: 2 (draft ahead while one travels) once a
@@ -147,8 +160,8 @@ class Speculator:
         coordinator hop per token. ``stop`` ids end such a run early.
         """
         session = handle.session
-        if handle.ready is not None:  # the draft's prefill: not a cost of any round
-            await asyncio.wrap_future(handle.ready)
+        if handle.ready is not None:  # the draft's prefill: not a cost of any round, but of the request
+            self.stats.observe_prefill(handle.prompt_len, await asyncio.wrap_future(handle.ready))
         ctx = [*prompt, first]  # confirmed tokens
         yield first
         last_t = time.perf_counter()  # when the previous result was in
@@ -275,6 +288,13 @@ class Speculator:
             for task in [*(f[0] for f in inflight), *voided]:
                 task.cancel()
             session.close()
+
+
+def _timed(fn: Callable[[list[int]], object], arg: list[int]) -> float:
+    """Run ``fn(arg)``; its seconds."""
+    t0 = time.perf_counter()
+    fn(arg)
+    return time.perf_counter() - t0
 
 
 def _discard(fut: asyncio.Future[tuple[int, ...]]) -> None:

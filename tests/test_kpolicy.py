@@ -12,6 +12,7 @@ from coordinator.kpolicy import (
     choose_k,
     draft_threshold,
     expected_tokens,
+    prefill_pays,
     tokens_per_s,
 )
 
@@ -232,3 +233,37 @@ def test_a_dear_probe_pushes_the_next_one_back(catch_up_s: float, first_probe: i
     s2.charge_probe(catch_up_s)
     assert s2.next_k(10**6) == 0
     assert s2.plain_rounds(10**6) == pytest.approx(max(first_probe, 7), abs=2)  # what runs round the ring first
+
+
+# (case, plain tok/s, speculative tok/s, new tokens, draft prefill s, prefill the draft?)
+PREFILL_PAYS = [
+    ("WAN: 64 tokens repay a 3 s prefill", 1.86, 3.26, 64, 3.0, True),
+    ("WAN: 8 tokens do not", 1.86, 3.26, 8, 3.0, False),
+    ("one node: a 9% gain does not repay it", 7.07, 7.7, 64, 3.0, False),
+    ("one node: a long answer does", 7.07, 7.7, 512, 3.0, True),
+    ("speculation slower than plain", 5.0, 4.0, 10**6, 0.0, False),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "plain", "spec", "tokens", "prefill_s", "want"), PREFILL_PAYS, ids=[c[0] for c in PREFILL_PAYS]
+)
+def test_prefill_pays(case: str, plain: float, spec: float, tokens: int, prefill_s: float, want: bool) -> None:
+    assert prefill_pays(plain, spec, tokens, prefill_s) is want
+
+
+def test_draft_pays_learns_the_prefill_from_long_warm_prompts() -> None:
+    s = SpecStats()
+    s.step_s, s.extra_s, s.draft_s, s.acceptance = 0.1, 0.01, 0.0, 0.9  # drafts free and good
+    assert s.draft_pays(200, 64)  # nothing timed: prefill, and time it
+    s.observe_prefill(200, 30.0)  # the first prefill (a cold model): not taken
+    s.observe_prefill(8, 8.0)  # a short prompt: mostly fixed cost, not taken per token
+    assert s.prefill_s is None and s.draft_pays(200, 64)
+    s.observe_prefill(200, 2.0)  # 10 ms a prompt token
+    assert s.prefill_s == pytest.approx(0.01)
+    assert s.draft_pays(200, 64)  # ~0.07 s saved a token x 64 > 2 s
+    assert not s.draft_pays(200, 16)  # x 16 < 2 s
+    assert not s.draft_pays(2000, 64)  # a long prompt: 20 s
+    for _ in range(3):  # the rounds deliver little over plain: the promise is not believed
+        s.observe_yield(True, 11, 1.0)
+    assert not s.draft_pays(200, 64)

@@ -189,6 +189,33 @@ def test_auto_k_between_ring_runs_and_probes_equals_plain(cluster, smollm2, prom
     )
 
 
+def _speculating(prefill_s: float) -> Callable[[SpecStats], None]:
+    """Costs under which the policy speculates (free drafts, most accepted), with the draft's
+    prefill at ``prefill_s`` a prompt token."""
+
+    def prime(stats: SpecStats) -> None:
+        stats.step_s, stats.extra_s, stats.draft_s, stats.acceptance = 0.1, 0.01, 0.0, 0.9
+        assert stats.next_k(1000) > 0 and stats.speculating
+        stats.prefill_s = prefill_s
+
+    return prime
+
+
+def test_auto_k_keeps_the_draft_off_requests_too_short_to_repay_its_prefill(cluster, smollm2, prompts) -> None:  # type: ignore[no-untyped-def]
+    """The policy speculates, but a request too short to repay the draft model's prefill of its
+    prompt (here a dear one) decodes plain round the ring; with a cheap prefill the same
+    requests speculate. Either way, tokens equal plain decoding's."""
+    jobs = [(p, _sampling(i, sampled), 0) for sampled in (False, True) for i, p in enumerate(prompts[:3])]
+    plain, _ = _run(smollm2, cluster.nodes[:2], jobs)
+    auto = [(p, s, None) for p, s, _ in jobs]
+    for prefill_s, declined in ((1.0, len(jobs)), (1e-6, 0)):
+        out, spec = _run(smollm2, cluster.nodes[:2], auto, prime=_speculating(prefill_s))  # type: ignore[arg-type]
+        assert out == plain
+        c = spec.counters
+        assert c.declined == declined
+        assert (c.rounds > 0) == (declined == 0)  # the declined requests never drafted
+
+
 def test_a_ring_run_first_rolls_back_the_rejected_drafts(cluster, smollm2, prompts) -> None:  # type: ignore[no-untyped-def]
     """A ring run that follows a rejection carries the rollback on its first frame: the rejected
     positions are out of every stage's attention before the run's first step, so the run equals
