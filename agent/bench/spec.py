@@ -198,14 +198,14 @@ async def _measure(
         configs = [(0, None, None), *configs]
         for c in configs:  # warm-up (first inferences allocate; the K policy gets first figures)
             await asyncio.gather(*[one(p, c, 8) for p in prompts[:2]])
-        res: dict[str, dict[str, Any]] = {
-            _label(*c): {"speeds": [], "rounds": 0, "proposed": 0, "accepted": 0, "outputs": None} for c in configs
-        }
+        counts = dict.fromkeys(("rounds", "proposed", "accepted", "declined", "ring"), 0)
+        res: dict[str, dict[str, Any]] = {_label(*c): {"speeds": [], **counts, "outputs": None} for c in configs}
         loop = asyncio.get_running_loop()
         for r in range(runs):
             order = configs[r % len(configs) :] + configs[: r % len(configs)]
             for c in order:
-                c0 = (spec.counters.rounds, spec.counters.proposed, spec.counters.accepted)
+                cn = spec.counters
+                c0 = (cn.rounds, cn.proposed, cn.accepted, cn.declined, cn.ring_tokens)
                 t0 = loop.time()
                 outs = await asyncio.gather(*[one(p, c, tokens) for p in prompts])
                 dt = loop.time() - t0
@@ -214,6 +214,8 @@ async def _measure(
                 row["rounds"] += spec.counters.rounds - c0[0]
                 row["proposed"] += spec.counters.proposed - c0[1]
                 row["accepted"] += spec.counters.accepted - c0[2]
+                row["declined"] += spec.counters.declined - c0[3]  # requests the draft's prefill would not repay
+                row["ring"] += spec.counters.ring_tokens - c0[4]  # K=auto's plain tokens round the ring
                 row["outputs"] = row["outputs"] or outs
             _say(
                 f"run {r + 1}/{runs}: "
@@ -322,6 +324,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "acceptance": round(row["accepted"] / row["proposed"], 3) if row["proposed"] else 0.0,
                 "mean_k": round(row["proposed"] / row["rounds"], 2) if row["rounds"] else 0.0,
                 "tokens_identical": row["outputs"] == res["0"]["outputs"],
+                "requests_without_draft": row["declined"],
+                "ring_tokens": row["ring"],
             }
         )
     best = max(runs_out, key=lambda r: r["spec_tok_s"])
