@@ -267,3 +267,16 @@ def test_draft_pays_learns_the_prefill_from_long_warm_prompts() -> None:
     for _ in range(3):  # the rounds deliver little over plain: the promise is not believed
         s.observe_yield(True, 11, 1.0)
     assert not s.draft_pays(200, 64)
+
+
+def test_a_cold_draft_models_first_timing_is_not_taken() -> None:
+    s = SpecStats()
+    s.observe_step(1, 0.15)  # a plain step timed; nothing known about drafting
+    assert s.next_k(1000) >= 2  # so try it
+    s.observe_draft(2 * 0.047, 2)  # the draft model's first proposal: cold, ten times slower
+    s.observe_accept(2, 2)
+    s.observe_step(3, 0.17)
+    assert s.draft_s is None
+    s.observe_draft(2 * 0.004, 2)  # warm
+    assert s.draft_s == pytest.approx(0.004)
+    assert s.next_k(1000) > 0  # cheap, well-accepted drafts over 150 ms steps: speculate
