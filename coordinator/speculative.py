@@ -41,7 +41,6 @@ class SpecConfig:
 class DraftHandle:
     session: DraftSession
     ready: Future[float] | None  # the draft's prefill of the prompt (its seconds), if it has one
-    prompt_len: int = 0
 
 
 @dataclass
@@ -118,9 +117,9 @@ class Speculator:
             session.close()
             self.counters.declined += 1
             return None
-        eager = not auto or self.stats.step_s is None or self.stats.speculating
+        eager = not auto or self.stats.step_s is None or speculating
         ready = self._pool.submit(_timed, prefill, list(prompt)) if prefill is not None and eager else None
-        return DraftHandle(session, ready, len(prompt))
+        return DraftHandle(session, ready)
 
     def depth(self) -> int:
         """Verify frames a stream keeps in flight: 2 (draft ahead while one travels) once a
@@ -161,7 +160,7 @@ class Speculator:
         """
         session = handle.session
         if handle.ready is not None:  # the draft's prefill: not a cost of any round, but of the request
-            self.stats.observe_prefill(handle.prompt_len, await asyncio.wrap_future(handle.ready))
+            self.stats.observe_prefill(len(prompt), await asyncio.wrap_future(handle.ready))
         ctx = [*prompt, first]  # confirmed tokens
         yield first
         last_t = time.perf_counter()  # when the previous result was in

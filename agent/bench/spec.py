@@ -181,6 +181,17 @@ def genai_spec(
     return out
 
 
+# a run's counts, from the speculator's counters: declined = requests the draft's prefill would
+# not repay; ring = K=auto's plain tokens round the ring
+_COUNTED = {
+    "rounds": "rounds",
+    "proposed": "proposed",
+    "accepted": "accepted",
+    "declined": "declined",
+    "ring": "ring_tokens",
+}
+
+
 async def _measure(
     cfg: ServeConfig, prompts: list[list[int]], configs: list[Config], tokens: int, runs: int
 ) -> dict[str, dict[str, Any]]:
@@ -198,24 +209,21 @@ async def _measure(
         configs = [(0, None, None), *configs]
         for c in configs:  # warm-up (first inferences allocate; the K policy gets first figures)
             await asyncio.gather(*[one(p, c, 8) for p in prompts[:2]])
-        counts = dict.fromkeys(("rounds", "proposed", "accepted", "declined", "ring"), 0)
-        res: dict[str, dict[str, Any]] = {_label(*c): {"speeds": [], **counts, "outputs": None} for c in configs}
+        res: dict[str, dict[str, Any]] = {
+            _label(*c): {"speeds": [], **dict.fromkeys(_COUNTED, 0), "outputs": None} for c in configs
+        }
         loop = asyncio.get_running_loop()
         for r in range(runs):
             order = configs[r % len(configs) :] + configs[: r % len(configs)]
             for c in order:
-                cn = spec.counters
-                c0 = (cn.rounds, cn.proposed, cn.accepted, cn.declined, cn.ring_tokens)
+                c0 = {key: getattr(spec.counters, name) for key, name in _COUNTED.items()}
                 t0 = loop.time()
                 outs = await asyncio.gather(*[one(p, c, tokens) for p in prompts])
                 dt = loop.time() - t0
                 row = res[_label(*c)]
                 row["speeds"].append(sum(len(o) for o in outs) / dt)
-                row["rounds"] += spec.counters.rounds - c0[0]
-                row["proposed"] += spec.counters.proposed - c0[1]
-                row["accepted"] += spec.counters.accepted - c0[2]
-                row["declined"] += spec.counters.declined - c0[3]  # requests the draft's prefill would not repay
-                row["ring"] += spec.counters.ring_tokens - c0[4]  # K=auto's plain tokens round the ring
+                for key, name in _COUNTED.items():
+                    row[key] += getattr(spec.counters, name) - c0[key]
                 row["outputs"] = row["outputs"] or outs
             _say(
                 f"run {r + 1}/{runs}: "
