@@ -75,13 +75,13 @@ class AgentRuntime:
             return
         self.pending += 1
 
-        def done(res: tuple[bytes, Fwd | None, bytes] | None, exc: BaseException | None) -> None:
+        def done(res: tuple[bytes, Fwd | None, bytes, bytes | None] | None, exc: BaseException | None) -> None:
             self.pending -= 1
             if exc is None and res is not None:
-                frame, follow, follow_payload = res
+                frame, follow, follow_payload, follow_frame = res
+                if follow is not None:  # the ring's next step first: stage 0 waits for it
+                    self._continue(follow, follow_payload, follow_frame)
                 self._send(frame)
-                if follow is not None:
-                    self._continue(follow, follow_payload)
             elif isinstance(exc, ProtocolError):
                 self._spawn(self.report(exc, reply))
             else:
@@ -90,18 +90,21 @@ class AgentRuntime:
 
         self.host.compute.submit(self._work, (fwd, payload), done)
 
-    def _work(self, fwd: Fwd, payload: memoryview) -> tuple[bytes, Fwd | None, bytes]:
-        """On the compute thread: run the stage, encode what goes to the next hop."""
+    def _work(self, fwd: Fwd, payload: memoryview) -> tuple[bytes, Fwd | None, bytes, bytes | None]:
+        """On the compute thread: run the stage, encode what goes to the next hop (and back to
+        stage 0, where the ring runs the stream on its own and stage 0 is another agent)."""
         out: Output = self.host.process(fwd, payload)
-        return encode(out.message, out.payload), out.follow, out.follow_payload
+        follow_frame = None
+        if out.follow is not None and not (self.host.stage is not None and self.host.stage.first):
+            follow_frame = encode(out.follow, out.follow_payload)
+        return encode(out.message, out.payload), out.follow, out.follow_payload, follow_frame
 
-    def _continue(self, follow: Fwd, payload: bytes) -> None:
+    def _continue(self, follow: Fwd, payload: bytes, frame: bytes | None) -> None:
         """The ring runs the stream's next step on its own: back to stage 0."""
-        stage = self.host.stage
-        if stage is not None and stage.first:  # a one-stage ring: stage 0 is right here
+        if frame is None:  # a one-stage ring: stage 0 is right here
             self.submit_fwd(follow, memoryview(payload), None)
         elif self.loop is not None and not self.loop.closed:
-            self.loop.send_nowait(encode(follow, payload))
+            self.loop.send_nowait(frame)
         else:
             log.warning("no link back to stage 0: stream %s stops here", follow.stream)
 

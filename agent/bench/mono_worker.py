@@ -1,13 +1,15 @@
-"""One monolithic run (the stand-in for one laptop): ``python -m agent.bench.mono_worker JOB_JSON``.
+"""The monolithic reference (the stand-in for one laptop): ``python -m agent.bench.mono_worker JOB_JSON``.
 
-Start it pinned (``taskset``) so OpenVINO's CPU plugin sees only its cores. Prints one JSON
-line: the median aggregate tok/s over the runs, measured like the pipeline rows.
+Start it pinned (``taskset``) so OpenVINO's CPU plugin sees only its cores. It loads the whole
+model, warms it up and prints ``{"ready": true}``; then each line on stdin (``{"tokens": N}``)
+runs one generation of the prompt and is answered with one JSON line of its tok/s, measured
+like the pipeline rows (tokens / wall time, prefill included). The bench asks for a run right
+after each pipeline run, so the two are measured side by side on the same machine state.
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import time
 
@@ -19,13 +21,13 @@ def main() -> int:
     chain = Chain.load(job["export_dir"], device="CPU", threads=job["threads"])
     streams = chain.open_streams()
     prompt = job["prompt"]
-    chain.generate(prompt, max_tokens=8, streams=streams)  # warm-up
-    speeds = []
-    for _ in range(job["runs"]):
+    chain.generate(prompt, max_tokens=8, streams=streams)  # warm-up: first inferences allocate
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        tokens = int(json.loads(line)["tokens"])
         t0 = time.perf_counter()
-        g = chain.generate(prompt, max_tokens=job["tokens"], streams=streams)
-        speeds.append(len(g.tokens) / (time.perf_counter() - t0))
-    print(json.dumps({"tok_s": statistics.median(speeds), "runs": speeds}))
+        g = chain.generate(prompt, max_tokens=tokens, streams=streams)
+        print(json.dumps({"tok_s": len(g.tokens) / (time.perf_counter() - t0)}), flush=True)
     return 0
 
 
