@@ -33,10 +33,16 @@ if TYPE_CHECKING:
 class DraftSession(Protocol):
     confidence: float | None  # of the last proposal: product of the drafts' probabilities; None = unknown
     caught_up: int  # context tokens the last proposal first had to feed (a draft behind the stream)
+    last_proposal: object  # what the drafter needs to learn from the last proposal's verdict
 
     def propose(self, context: Sequence[int], k: int, min_conf: float = 0.0) -> list[int]:
         """Up to ``k`` tokens likely to follow ``context`` (all tokens so far, prompt included);
         fewer once the drafter's confidence in all of them drops below ``min_conf``."""
+        ...
+
+    def verified(self, proposal: object, proposed: int, accepted: int) -> None:
+        """The target accepted the first ``accepted`` of a proposal's ``proposed`` tokens
+        (``proposal``: that proposal's ``last_proposal``)."""
         ...
 
     def close(self) -> None: ...
@@ -51,16 +57,57 @@ class Drafter(Protocol):
 # ---- prompt lookup --------------------------------------------------------------------------
 
 
+class LookupStats:
+    """How well prompt lookup's drafts fare, by the length of the n-gram they matched.
+
+    Each drafted token is taken to be accepted with probability ``q`` once the ones before it
+    were (a geometric run), ``q`` estimated per n-gram length as accepted tokens / (accepted
+    tokens + proposals cut short by a rejection), from a prior of one each (``q`` = 0.5). A
+    unigram match in prose is a poor guess; a trigram inside copied code a good one: the
+    drafter proposes as many tokens as stay likely enough, and none where no match is.
+    """
+
+    def __init__(self, max_ngram: int) -> None:
+        self._acc = [1.0] * (max_ngram + 1)
+        self._cut = [1.0] * (max_ngram + 1)
+        self._lock = threading.Lock()
+
+    def q(self, g: int) -> float:
+        return self._acc[g] / (self._acc[g] + self._cut[g])
+
+    def observe(self, g: int, proposed: int, accepted: int) -> None:
+        with self._lock:
+            self._acc[g] += accepted
+            self._cut[g] += 1 if accepted < proposed else 0
+
+
+def likely_prefix(n: int, q: float, min_conf: float) -> int:
+    """How many of ``n`` tokens, each accepted with probability ``q`` given the ones before,
+    keep the chance that all are accepted (``q ** j``) at or above ``min_conf``."""
+    if min_conf <= 0.0 or q >= 1.0:
+        return n
+    if q <= 0.0 or min_conf > 1.0:
+        return 0
+    j = 0
+    p = 1.0
+    while j < n and p * q >= min_conf:
+        p *= q
+        j += 1
+    return j
+
+
 class LookupSession:
     """Per-stream n-gram index over the context, extended as the context grows."""
 
-    def __init__(self, max_ngram: int, min_ngram: int) -> None:
+    def __init__(self, max_ngram: int, min_ngram: int, stats: LookupStats | None = None) -> None:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.stats = stats or LookupStats(max_ngram)
         self._ctx: list[int] = []
         self._index: dict[tuple[int, ...], int] = {}  # n-gram -> where its latest continuation starts
         self._indexed = 0  # n-grams ending before this position are indexed
         self.confidence: float | None = None
         self.caught_up = 0
+        self.last_proposal: object = None  # the length of the n-gram the last proposal matched
 
     def _sync(self, context: Sequence[int]) -> None:
         n = len(context)
@@ -76,6 +123,9 @@ class LookupSession:
         self._indexed = max(self._indexed, n - 1)
 
     def propose(self, context: Sequence[int], k: int, min_conf: float = 0.0) -> list[int]:
+        """What followed the latest earlier occurrence of the longest matching tail n-gram:
+        up to ``k`` tokens, as many as that n-gram length's record makes likely enough."""
+        self.confidence, self.last_proposal = None, None
         if k <= 0 or not context:
             return []
         self._sync(context)
@@ -83,8 +133,16 @@ class LookupSession:
         for g in range(min(self.max_ngram, n), self.min_ngram - 1, -1):
             start = self._index.get(tuple(self._ctx[n - g :]))
             if start is not None:
-                return self._ctx[start : start + k]
+                q = self.stats.q(g)
+                out = self._ctx[start : start + k]
+                out = out[: likely_prefix(len(out), q, min_conf)]
+                self.confidence, self.last_proposal = q ** len(out), g
+                return out
         return []
+
+    def verified(self, proposal: object, proposed: int, accepted: int) -> None:
+        if isinstance(proposal, int) and proposed > 0:
+            self.stats.observe(proposal, proposed, accepted)
 
     def close(self) -> None:
         self._ctx, self._index = [], {}
@@ -92,14 +150,16 @@ class LookupSession:
 
 class LookupDrafter:
     name = "lookup"
+    self_bounded = True  # free proposals, cut short by their own record (LookupStats)
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1) -> None:
         if not (1 <= min_ngram <= max_ngram):
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.stats = LookupStats(max_ngram)  # shared by every stream: what this model's answers look like
 
     def session(self) -> LookupSession:
-        return LookupSession(self.max_ngram, self.min_ngram)
+        return LookupSession(self.max_ngram, self.min_ngram, self.stats)
 
 
 # ---- draft model ----------------------------------------------------------------------------
@@ -118,6 +178,7 @@ class ModelSession:
         self._fed: list[int] = []  # tokens whose KV slots are live, in order
         self.confidence: float | None = None
         self.caught_up = 0
+        self.last_proposal: object = None
 
     def _feed(self, ids: Sequence[int]) -> tuple[int, float]:
         """Feed ``ids``; the draft's next token and its probability."""
@@ -157,6 +218,9 @@ class ModelSession:
             conf *= p
         self.confidence = conf
         return out
+
+    def verified(self, proposal: object, proposed: int, accepted: int) -> None:
+        """The draft model needs no verdicts: its confidence is its own probabilities."""
 
     def close(self) -> None:
         self._fed = []

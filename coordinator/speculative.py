@@ -72,6 +72,7 @@ class Speculator:
         self.pipeline = pipeline
         self.cfg = cfg
         self.stats = SpecStats(k_max=cfg.k_max)
+        self._policy_k = 0  # the policy's latest K (the confidence bar is set at it)
         self.counters = SpecCounters()
         # drafting runs inference: never on the event loop; one thread serialises the draft model
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="draft")
@@ -86,7 +87,13 @@ class Speculator:
         k = k_override if k_override is not None else self.cfg.k
         if k is not None:
             return max(0, min(k, remaining - 1))
-        return self.stats.next_k(remaining)
+        self._policy_k = k = self.stats.next_k(remaining)
+        if k > 0 and getattr(self.cfg.drafter, "self_bounded", False):
+            # proposals that cost nothing and stop where the drafter's own record says they stop
+            # paying (prompt lookup): long where the answer copies its input, none where it
+            # does not. The policy's K judged by the average acceptance would cut the copies.
+            k = max(k, min(self.stats.k_max, remaining - 1))
+        return k
 
     def _min_conf(self, k: int, k_override: int | None, conf_override: float | None) -> float:
         """How sure the draft must stay to keep drafting: 0 (draft all K) for a fixed K."""
@@ -94,7 +101,7 @@ class Speculator:
             return conf_override
         if k_override is not None or self.cfg.k is not None:
             return 0.0
-        return self.stats.threshold(k)
+        return self.stats.threshold(min(k, self._policy_k))
 
     def _auto(self, k_override: int | None) -> bool:
         """Whether K is the policy's to choose."""
@@ -169,8 +176,9 @@ class Speculator:
         fed: list[int] = []
         v = 0
         rollback = 0
-        # (result, positions, drafts, sent at, nothing ahead of it, the draft's confidence in it)
-        inflight: collections.deque[tuple[asyncio.Future[tuple[int, ...]], int, int, float, bool, float]] = (
+        # (result, positions, drafts, sent at, nothing ahead of it, the draft's confidence in it,
+        # the drafter's note on the proposal)
+        inflight: collections.deque[tuple[asyncio.Future[tuple[int, ...]], int, int, float, bool, float, object]] = (
             collections.deque()
         )
         # frames voided by a rejection while still travelling: the stages compute them anyway, so
@@ -195,6 +203,7 @@ class Speculator:
                         break  # a frame drafted on from them would most likely be voided
                     drafts: list[int] = []
                     conf = 1.0
+                    note: object = None
                     if k > 0:
                         t0 = time.perf_counter()
                         bar = min_conf / ahead if ahead > 0 else 1.0
@@ -209,6 +218,7 @@ class Speculator:
                         # a drafter that cannot say how sure it is (prompt lookup): the measured rate
                         said = session.confidence
                         conf = said if said is not None else self.stats.acceptance ** len(drafts)
+                        note = session.last_proposal
                     tokens = feed + drafts
                     if not tokens:
                         break
@@ -221,7 +231,7 @@ class Speculator:
                     )  # on the wire now: the rollback below may count on it
                     voided = [f for f in voided if not f.done()]
                     alone = not inflight and not voided
-                    inflight.append((step, len(tokens), len(drafts), time.perf_counter(), alone, conf))
+                    inflight.append((step, len(tokens), len(drafts), time.perf_counter(), alone, conf, note))
                     feed, rollback = [], 0
                     fed += tokens
                     self.counters.proposed += len(drafts)
@@ -250,7 +260,7 @@ class Speculator:
                         self.pipeline.end_run(stream)
                     feed = [t]  # the run's last token: not fed yet
                     continue
-                task, n, proposed, t0, alone, _ = inflight.popleft()
+                task, n, proposed, t0, alone, _, note = inflight.popleft()
                 toks = await task
                 if alone:  # a round time only when nothing queued ahead of it
                     self.stats.observe_step(n, time.perf_counter() - t0, self.pipeline.busy_s.get(stream, 0.0))
@@ -278,6 +288,7 @@ class Speculator:
                 last_t = now
                 if proposed:  # (a frame's last output confirms the next frame's first draft: near enough)
                     self.stats.observe_accept(proposed, min(accepted, proposed))
+                    session.verified(note, proposed, min(accepted, proposed))
                 if feed:  # frames still travelling carry voided positions: their results are dropped
                     for task, *_ in inflight:
                         task.add_done_callback(_discard)

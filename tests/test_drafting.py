@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.drafting import LookupDrafter, ModelDrafter, load_drafter
+from coordinator.drafting import LookupDrafter, ModelDrafter, likely_prefix, load_drafter
 from coordinator.speculative import accept
 
 
@@ -32,6 +32,42 @@ def test_lookup_follows_a_growing_context() -> None:
     ctx += [12, 99, 10]
     assert s.propose(ctx, 3) == [11, 12, 99]
     assert s.propose([10, 11, 10], 1) == [11]  # a different context: re-indexed from scratch
+
+
+@pytest.mark.parametrize(
+    ("n", "q", "min_conf", "want"),
+    [
+        (5, 0.5, 0.0, 5),  # no bar: everything the match offers
+        (5, 0.9, 0.5, 5),  # 0.9 ** 5 = 0.59 stays above the bar
+        (8, 0.9, 0.5, 6),  # 0.9 ** 6 = 0.53, 0.9 ** 7 = 0.48
+        (5, 0.5, 0.3, 1),  # 0.5, then 0.25
+        (5, 0.2, 0.3, 0),  # not even the first token is likely enough
+        (3, 1.0, 0.9, 3),
+        (0, 0.9, 0.5, 0),
+    ],
+)
+def test_likely_prefix(n: int, q: float, min_conf: float, want: int) -> None:
+    assert likely_prefix(n, q, min_conf) == want
+
+
+def test_lookup_learns_which_matches_pay() -> None:
+    """Verdicts teach the drafter, per matched n-gram length, how far to trust a copy: after
+    unigram matches were always rejected and 4-gram ones always accepted, a unigram match
+    proposes nothing under a bar of 0.3 while a 4-gram one proposes all it can."""
+    d = LookupDrafter()
+    s = d.session()
+    uni = [7, 1, 2, 3, 9, 7]  # the tail 7 was seen once: a unigram match
+    quad = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4]  # the tail 1 2 3 4 was seen: a 4-gram match
+    assert s.propose(uni, 3, 0.3) == [1]  # untried: q = 0.5, so one token clears 0.3
+    assert s.last_proposal == 1 and s.confidence == pytest.approx(0.5)
+    for _ in range(20):
+        s.verified(1, 3, 0)
+        s.verified(4, 3, 3)
+    assert s.propose(uni, 3, 0.3) == []
+    assert s.propose(quad, 4, 0.3) == [5, 6, 1, 2]
+    assert s.last_proposal == 4 and s.confidence is not None and s.confidence > 0.8
+    assert d.session().propose(uni, 3, 0.3) == []  # what one stream learned, the next one knows
+    assert s.propose(uni, 3) == [1, 2, 3]  # no bar (a fixed K): the whole copy, as before
 
 
 @pytest.mark.parametrize(
