@@ -88,6 +88,30 @@ def draft_threshold(c: SpecCosts, k: int) -> float:
     return min(MAX_THRESHOLD, max(0.0, (c.draft_s + c.extra_s) * rate))
 
 
+def match_bar(c: SpecCosts) -> float:
+    """The confidence bar for a free, self-bounded drafter (prompt lookup) deciding each round
+    on its own match: one more draft costs ``draft_s + extra_s`` and, if accepted, saves a plain
+    token's time round the ring (``plain_s``; a plain step where the ring is not measured)."""
+    token_s = c.plain_s if c.plain_s is not None and c.plain_s > 0.0 else c.step_s
+    if token_s <= 0.0:
+        return 0.0
+    return min(MAX_THRESHOLD, max(0.0, (c.draft_s + c.extra_s) / token_s))
+
+
+def match_round_pays(c: SpecCosts, n: int, confidence: float) -> bool:
+    """Whether a round verifying ``n`` drafts, all accepted with probability ``confidence``
+    (each one given the ones before with ``confidence ** (1/n)``), yields tokens faster than
+    plain decoding round the ring. A plain step (no drafts) through the coordinator never
+    beats the ring, which is measured; where the ring is not measured yet, any drafts pay."""
+    if n <= 0:
+        return c.plain_s is None
+    if c.plain_s is None or c.plain_s <= 0.0:
+        return True
+    q = min(max(confidence, 0.0), 1.0) ** (1.0 / n)
+    expected = float(sum(q**j for j in range(n + 1)))  # the round's own token plus the accepted drafts
+    return expected / (c.step_s + n * (c.draft_s + c.extra_s)) > 1.0 / c.plain_s
+
+
 def ahead_threshold(step_s: float, busy_s: float | None) -> float:
     """How likely the frames in flight must be to be accepted whole before drafting ahead of them.
 

@@ -25,8 +25,10 @@ from dataclasses import dataclass
 
 from agent.protocol import SamplingSpec
 from coordinator.drafting import Drafter, DraftSession
-from coordinator.kpolicy import K_MAX, SpecStats
+from coordinator.kpolicy import K_MAX, SpecCosts, SpecStats, match_bar, match_round_pays
 from coordinator.pipeline import Pipeline, run_token
+
+RUN_MIN, RUN_MAX = 4, 32  # plain tokens round the ring between looks for a match (prompt lookup)
 
 
 @dataclass
@@ -103,6 +105,17 @@ class Speculator:
             return 0.0
         return self.stats.threshold(min(k, self._policy_k))
 
+    def _gated_costs(self, k_override: int | None) -> SpecCosts | None:
+        """The costs to decide a round by its own match, where that is how rounds are decided:
+        a free drafter that bounds its own proposals (prompt lookup) under K=auto, once a verify
+        position and plain decoding round the ring are timed. A match that pays gets a round
+        (:func:`match_round_pays`); elsewhere a short plain run round the ring."""
+        if not self._auto(k_override) or not getattr(self.cfg.drafter, "self_bounded", False):
+            return None
+        if self.stats.extra_s is None or self.stats.ring_s is None:
+            return None
+        return self.stats.costs()
+
     def _auto(self, k_override: int | None) -> bool:
         """Whether K is the policy's to choose."""
         return k_override is None and self.cfg.k is None
@@ -170,6 +183,7 @@ class Speculator:
             self.stats.observe_prefill(len(prompt), await asyncio.wrap_future(handle.ready))
         ctx = [*prompt, first]  # confirmed tokens
         yield first
+        run_len = RUN_MIN  # plain tokens round the ring before a match-decided round looks again
         last_t = time.perf_counter()  # when the previous result was in
         emitted = 1
         feed: list[int] = [first]  # confirmed tokens the target has not seen yet
@@ -192,12 +206,17 @@ class Speculator:
                 ring = 0
                 while len(inflight) < depth:
                     room = max_tokens - emitted - (len(fed) - v) - len(feed)  # outputs still useful
-                    k = self._next_k(room + 1, k_override) if room > 0 else 0
-                    if k == 0 and not inflight and self._auto(k_override):
-                        ring = self.stats.plain_rounds(room + 1)
-                        if ring > 1:
-                            break
-                    min_conf = self._min_conf(k, k_override, conf_override)
+                    gated = self._gated_costs(k_override) if not inflight and room > 0 else None
+                    if gated is not None:  # this round is decided by its own match (below)
+                        k = min(self.stats.k_max, room)
+                        min_conf = conf_override if conf_override is not None else match_bar(gated)
+                    else:
+                        k = self._next_k(room + 1, k_override) if room > 0 else 0
+                        if k == 0 and not inflight and self._auto(k_override):
+                            ring = self.stats.plain_rounds(room + 1)
+                            if ring > 1:
+                                break
+                        min_conf = self._min_conf(k, k_override, conf_override)
                     ahead = math.prod(f[5] for f in inflight)  # the chance the frames in flight are accepted whole
                     if inflight and ahead < max(min_conf, bar_ahead):
                         break  # a frame drafted on from them would most likely be voided
@@ -219,6 +238,13 @@ class Speculator:
                         said = session.confidence
                         conf = said if said is not None else self.stats.acceptance ** len(drafts)
                         note = session.last_proposal
+                    if gated is not None:
+                        if drafts and match_round_pays(gated, len(drafts), conf):
+                            run_len = RUN_MIN
+                        else:  # no match worth a round: plain round the ring, then look again
+                            ring = min(room + 1, run_len)
+                            run_len = min(2 * run_len, RUN_MAX)  # less often while nothing matches
+                            break
                     tokens = feed + drafts
                     if not tokens:
                         break

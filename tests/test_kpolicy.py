@@ -12,6 +12,8 @@ from coordinator.kpolicy import (
     choose_k,
     draft_threshold,
     expected_tokens,
+    match_bar,
+    match_round_pays,
     prefill_pays,
     tokens_per_s,
 )
@@ -250,6 +252,34 @@ PREFILL_PAYS = [
 )
 def test_prefill_pays(case: str, plain: float, spec: float, tokens: int, prefill_s: float, want: bool) -> None:
     assert prefill_pays(plain, spec, tokens, prefill_s) is want
+
+
+WAN20 = SpecCosts(acceptance=0.5, draft_s=0.0, step_s=0.147, extra_s=0.010, plain_s=0.113)  # measured, lookup
+NO_RING = SpecCosts(acceptance=0.5, draft_s=0.0, step_s=0.147, extra_s=0.010)
+# (case, costs, drafts, confidence in all of them, a round pays?)
+MATCH_ROUNDS = [
+    ("no match: the ring beats a plain step through the coordinator", WAN20, 0, 1.0, False),
+    ("a sure 8-token copy", WAN20, 8, 0.9, True),
+    ("a unigram guess", WAN20, 1, 0.19, False),
+    ("a likely pair", WAN20, 2, 0.5, True),
+    ("16 drafts, each a coin toss", WAN20, 16, 0.5**16, False),
+    ("ring not timed yet: a plain step is all there is", NO_RING, 0, 1.0, True),
+    ("ring not timed yet: any drafts", NO_RING, 3, 0.01, True),
+]
+
+
+@pytest.mark.parametrize(("case", "c", "n", "conf", "want"), MATCH_ROUNDS, ids=[m[0] for m in MATCH_ROUNDS])
+def test_match_round_pays(case: str, c: SpecCosts, n: int, conf: float, want: bool) -> None:
+    assert match_round_pays(c, n, conf) is want
+
+
+def test_match_bar_prices_a_draft_against_a_ring_token() -> None:
+    assert match_bar(WAN20) == pytest.approx(0.010 / 0.113)
+    assert match_bar(NO_RING) == pytest.approx(0.010 / 0.147)  # no ring timed: a plain step
+    wan100 = SpecCosts(acceptance=0.5, draft_s=0.0, step_s=0.428, extra_s=0.010, plain_s=0.303)
+    assert match_bar(wan100) < match_bar(WAN20)  # a dearer token: longer proposals
+    dear = SpecCosts(acceptance=0.5, draft_s=0.0, step_s=0.05, extra_s=0.2, plain_s=0.05)
+    assert match_bar(dear) == MAX_THRESHOLD
 
 
 def test_draft_pays_learns_the_prefill_from_long_warm_prompts() -> None:
