@@ -2,7 +2,8 @@
 
 * :class:`LookupDrafter` (prompt lookup): finds the most recent earlier occurrence of the
   context's last n-gram and proposes what followed it. No model, no cost; strong when the
-  answer repeats its input (code edits, quoting).
+  answer repeats its input (code edits, quoting). It learns from the target's verdicts how
+  far to trust a match of each n-gram length (:class:`LookupStats`).
 * :class:`ModelDrafter`: a small model with the target's tokenizer, run as a whole-model
   stateful IR on the coordinator. Each stream has its own InferRequest; tokens the target
   rejected are rolled back by the attention mask, exactly as on the target's stages. With

@@ -234,7 +234,7 @@ class Speculator:
                         else:  # the draft first caught up on plain rounds: a cost of probing, not of speculating
                             last_t += dt
                             self.stats.charge_probe(dt)
-                        # a drafter that cannot say how sure it is (prompt lookup): the measured rate
+                        # a drafter that cannot say how sure it is: the measured rate
                         said = session.confidence
                         conf = said if said is not None else self.stats.acceptance ** len(drafts)
                         note = session.last_proposal
