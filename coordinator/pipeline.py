@@ -128,8 +128,10 @@ class Pipeline:
             ws = self._control[i]
             await ws.send_bytes(encode(msg))
             reply = await asyncio.wait_for(ws.receive(), timeout)
-            if reply.type != aiohttp.WSMsgType.BINARY:
-                raise PipelineError(f"agent {p.node} closed the connection during assignment")
+            if reply.type != aiohttp.WSMsgType.BINARY:  # say why: a missed heartbeat, the agent's close code
+                code = ws.close_code
+                why = ws.exception() or (f"close code {code}" if code is not None else reply.type.name)
+                raise PipelineError(f"agent {p.node} closed the connection during assignment ({why})")
             got, _ = decode(reply.data)
             if isinstance(got, Error):
                 raise PipelineError(f"agent {p.node} refused stage {i}: {got.message}", got.code)

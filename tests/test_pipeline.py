@@ -164,3 +164,47 @@ def test_bad_requests_get_openai_style_errors(served3: Served, body: dict[str, A
     assert status == 400
     assert message in reply["error"]["message"]
     assert reply["error"]["type"] == "invalid_request_error"
+
+
+def test_an_agent_that_hangs_up_on_its_assignment_is_named_with_its_close_code(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A real websocket peer that closes (code 1011) when handed its stage: the coordinator's
+    error names the agent and the close code, not only that the connection went."""
+    import asyncio
+
+    from aiohttp import web
+
+    from agent import aio
+    from coordinator.local_cluster import free_port
+    from coordinator.pipeline import Pipeline, PipelineError, StagePlacement
+
+    (tmp_path / "manifest.json").write_text("{}")
+
+    async def hang_up(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        await ws.receive()
+        await ws.close(code=1011, message=b"cannot compile")
+        return ws
+
+    async def main() -> str:
+        app = web.Application()
+        app.router.add_get("/ws", hang_up)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        node = f"127.0.0.1:{port}"
+        p = Pipeline(
+            [StagePlacement(node, tmp_path)], export_id="x", return_url="ws://127.0.0.1:1/r", artifacts_url="http://x"
+        )
+        try:
+            await asyncio.wait_for(p.async_start(timeout=10), 20)
+        except PipelineError as e:
+            return str(e)
+        finally:
+            await p.async_close()
+            await runner.cleanup()
+        return "no error"
+
+    msg = aio.run(main())
+    assert "127.0.0.1" in msg and "during assignment" in msg and "1011" in msg, msg
