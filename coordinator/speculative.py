@@ -74,7 +74,6 @@ class Speculator:
         self.pipeline = pipeline
         self.cfg = cfg
         self.stats = SpecStats(k_max=cfg.k_max)
-        self._policy_k = 0  # the policy's latest K (the confidence bar is set at it)
         self.counters = SpecCounters()
         # drafting runs inference: never on the event loop; one thread serialises the draft model
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="draft")
@@ -89,7 +88,7 @@ class Speculator:
         k = k_override if k_override is not None else self.cfg.k
         if k is not None:
             return max(0, min(k, remaining - 1))
-        self._policy_k = k = self.stats.next_k(remaining)
+        k = self.stats.next_k(remaining)
         if k > 0 and getattr(self.cfg.drafter, "self_bounded", False):
             # proposals that cost nothing and stop where the drafter's own record says they stop
             # paying (prompt lookup): long where the answer copies its input, none where it
@@ -103,7 +102,7 @@ class Speculator:
             return conf_override
         if k_override is not None or self.cfg.k is not None:
             return 0.0
-        return self.stats.threshold(min(k, self._policy_k))
+        return self.stats.threshold(min(k, self.stats.last_k))  # the bar at the policy's own K
 
     def _gated_costs(self, k_override: int | None) -> SpecCosts | None:
         """The costs to decide a round by its own match, where that is how rounds are decided:
