@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 
+from agent import frametrace
 from agent.protocol import MAX_FRAME
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class Link:
                 if wait > 0:
                     await asyncio.sleep(wait)
                 await self._ws.send_bytes(frame)
+                frametrace.mark("sent", "-", len(frame))
         except (ConnectionError, aiohttp.ClientError) as e:
             log.warning("link to %s failed: %s", self.url, e)
             self._closed = True

@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from agent import frametrace
 from agent.link import HEARTBEAT_S, Link
 from agent.protocol import MAX_FRAME, Assign, Close, Error, Fwd, ProtocolError, decode, encode
 from agent.stage_host import Output, StageHost
@@ -77,6 +78,7 @@ class AgentRuntime:
 
         def done(res: tuple[bytes, Fwd | None, bytes, bytes | None] | None, exc: BaseException | None) -> None:
             self.pending -= 1
+            frametrace.mark("done", fwd.stream, fwd.seq)
             if exc is None and res is not None:
                 frame, follow, follow_payload, follow_frame = res
                 if follow is not None:  # the ring's next step first: stage 0 waits for it
@@ -93,7 +95,9 @@ class AgentRuntime:
     def _work(self, fwd: Fwd, payload: memoryview) -> tuple[bytes, Fwd | None, bytes, bytes | None]:
         """On the compute thread: run the stage, encode what goes to the next hop (and back to
         stage 0, where the ring runs the stream on its own and stage 0 is another agent)."""
+        frametrace.mark("start", fwd.stream, fwd.seq)
         out: Output = self.host.process(fwd, payload)
+        frametrace.mark("end", fwd.stream, fwd.seq)
         follow_frame = None
         if out.follow is not None and not (self.host.stage is not None and self.host.stage.first):
             follow_frame = encode(out.follow, out.follow_payload)
@@ -177,6 +181,7 @@ async def _on_frame(rt: AgentRuntime, ws: web.WebSocketResponse, data: bytes) ->
     try:
         msg, payload = decode(data)
         if isinstance(msg, Fwd):
+            frametrace.mark("recv", msg.stream, msg.seq)
             rt.host.check_term(msg.term)
             rt.submit_fwd(msg, payload, ws)
         elif isinstance(msg, Assign):
