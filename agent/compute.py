@@ -14,6 +14,13 @@ step) and to take in the next frame (2.4 ms against 1.0 ms a hop), measured on a
 pipeline of one core per stage. The thread also yields once right after handing a result to
 the event loop, before its first spin: the loop, just woken, sends the step on at once
 (a finished step reached the event loop in 0.19-0.21 ms instead of 0.25, same trace).
+
+Spinning pays only when the next frame tends to come within the spin window. A stage that
+waits on something slow between its steps (a speculative round's draft tokens, computed on
+cores it shares; a WAN hop of 100 ms) would burn ``spin_s`` of its core for nothing after
+every step, and slow a co-located draft. So the thread keeps the idle gaps of its last
+``GAP_WINDOW`` jobs (job submitted minus thread gone idle; 0 when a job was already queued)
+and spins only while their median is within ``spin_s`` (:func:`spin_pays`).
 """
 
 from __future__ import annotations
@@ -24,9 +31,11 @@ import hashlib
 import logging
 import os
 import queue
+import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
@@ -35,6 +44,19 @@ _SPIN_BUF = bytes(64 * 1024)
 _STOP = object()
 # give the core up to any runnable thread: sched_yield where there is one; Sleep(0) on Windows
 _yield_core: Callable[[], None] = getattr(os, "sched_yield", None) or functools.partial(time.sleep, 0)
+GAP_WINDOW = 8  # idle gaps remembered to decide whether spinning pays
+
+
+def spin_pays(gaps: Iterable[float], spin_s: float) -> bool:
+    """Whether to spin after a job, given the idle gaps (s) before the last few jobs.
+
+    No spinning when it is switched off; spin while there is no history yet (a stream that
+    just started); otherwise spin when the typical (median) gap fits in the spin window.
+    """
+    if spin_s <= 0.0:
+        return False
+    seen = list(gaps)
+    return not seen or statistics.median(seen) <= spin_s
 
 
 class ComputeThread:
@@ -42,8 +64,10 @@ class ComputeThread:
         self.spin_s = spin_s
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.busy_s = 0.0  # time spent running jobs
+        self.spun_s = 0.0  # time spent spinning for the next job
+        self.gaps: deque[float] = deque(maxlen=GAP_WINDOW)  # idle gaps before recent jobs
         self._thread.start()
-        self.busy_s = 0.0
 
     async def async_run(self, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -68,12 +92,13 @@ class ComputeThread:
         Jobs run in submission order, back to back: the next one starts without waiting for
         the event loop to collect the previous result.
         """
-        self._q.put((fn, args, asyncio.get_running_loop(), done))
+        self._q.put((fn, args, asyncio.get_running_loop(), done, time.monotonic()))
 
     def _next(self, spin_until: float) -> Any:
-        while time.monotonic() < spin_until:
+        t0 = time.monotonic()
+        while (now := time.monotonic()) < spin_until:
             try:
-                return self._q.get_nowait()
+                item = self._q.get_nowait()
             except queue.Empty:
                 # Burn ~30 us *without the GIL* (hashing a buffer releases it), so the event
                 # loop thread takes the GIL the moment a frame arrives; a bare yield loop would
@@ -81,15 +106,22 @@ class ComputeThread:
                 # the core up to any runnable thread: on one core, the event loop.
                 hashlib.sha256(_SPIN_BUF)
                 _yield_core()
+            else:
+                self.spun_s += now - t0
+                return item
+        if spin_until > t0:
+            self.spun_s += spin_until - t0
         return self._q.get()
 
     def _loop(self) -> None:
         spin_until = 0.0
+        idle_from = time.monotonic()
         while True:
             item = self._next(spin_until)
             if item is _STOP:
                 return
-            fn, args, loop, done = item
+            fn, args, loop, done, queued_at = item
+            self.gaps.append(max(0.0, queued_at - idle_from))
             t0 = time.monotonic()
             try:
                 res = fn(*args)
@@ -99,9 +131,9 @@ class ComputeThread:
                 _call(loop, done, res, None)
             # the event loop was just woken to send the result on: on one core, let it run now
             _yield_core()
-            now = time.monotonic()
-            self.busy_s += now - t0
-            spin_until = now + self.spin_s
+            idle_from = time.monotonic()
+            self.busy_s += idle_from - t0
+            spin_until = idle_from + self.spin_s if spin_pays(self.gaps, self.spin_s) else 0.0
 
     def shutdown(self) -> None:
         self._q.put(_STOP)
