@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from agent.runtime.sampling import Sampling
+from coordinator.scheduler import prefill_chunks
 from tests.conftest import PROMPTS, Served
 
 
@@ -42,6 +43,28 @@ def test_three_agents_give_the_whole_model_greedy_tokens(served3: Served, whole_
         got = _chat(served3, prompt, max_tokens=48, temperature=0)
         assert got == _reference(whole_int8, smollm2_tokenizer, prompt, 48)
         assert len(got) > 20
+
+
+LONG_CODE = "\n".join(
+    f"def step_{i}(state: dict[str, int], amount: int = {i}) -> dict[str, int]:\n"
+    f'    """Move counter {i} forward by amount and record the change."""\n'
+    f"    state['counter_{i}'] = state.get('counter_{i}', 0) + amount * {i + 1}\n"
+    f"    return state\n"
+    for i in range(10)
+)
+
+
+def test_a_long_prompt_prefilled_in_pieces_through_the_ring_gives_the_whole_model_tokens(
+    served3: Served,
+    whole_int8,  # type: ignore[no-untyped-def]
+    smollm2_tokenizer,
+) -> None:
+    prompt = f"Here is some Python code:\n{LONG_CODE}\nWhich function adds the most per call, and why?"
+    n = len(smollm2_tokenizer.chat_ids([{"role": "user", "content": prompt}]))
+    assert len(prefill_chunks(n, 3)) >= 3  # sent as several prefill frames at once
+    got = _chat(served3, prompt, max_tokens=32, temperature=0)
+    assert got == _reference(whole_int8, smollm2_tokenizer, prompt, 32)
+    assert len(got) > 20
 
 
 def test_concurrent_streams_each_equal_their_solo_run(served3: Served) -> None:
