@@ -30,6 +30,8 @@ from tests.conftest import run_cli
         (["models", "import", "/nonexistent/dir"], "does not exist"),
         (["bench", "parity", "--runs", "0"], "expected a positive integer"),
         (["bench", "spec", "--k", "auto,x"], "--k takes auto or numbers"),
+        (["bench", "prefill", "--stages", "1,2"], "pieces only overlap on 2 stages or more"),
+        (["bench", "prefill", "--stages", "2", "--cores-per-node", "64"], "2 nodes x 64 cores need 128 cores"),
         (["serve", "--nodes", "127.0.0.1:7700", "--spec-k", "3"], "--spec-k needs --draft"),
         (["serve", "--nodes", "127.0.0.1:7700", "--draft", "lookup", "--spec-k", "many"], "expected auto or a number"),
         (["agent", "--cluster", "bad id!"], "cluster_id: 'bad id!' must be"),

@@ -190,7 +190,19 @@ async def _measure(
         await coord.async_stop()
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Setup:
+    model: LocalModel
+    weights: str
+    opts: ExportOptions
+    stages: list[int]
+    node_cores: list[list[int]]  # each node's cores; the monolithic reference runs on the first's
+    whole_dir: Path
+
+
+def prepare(args: argparse.Namespace) -> Setup:
+    """The model, its whole and split exports, and each node's cores (the coordinator process
+    moves to the cores left over, where there are any)."""
     quiet = bool(args.json)
     model = resolve_model(args.model, args.random_weights, quiet)
     spec = REGISTRY.get(args.model)
@@ -201,17 +213,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if max(stages) * c > len(avail):
         raise BenchError(f"{max(stages)} nodes x {c} cores need {max(stages) * c} cores; this machine has {len(avail)}")
     node_cores = [avail[i * c : (i + 1) * c] for i in range(max(stages))]
-
     whole = export_model(model, [(0, model.num_layers)], opts, quiet=quiet)
     for s in stages:
         export_model(model, plan_ranges(model, s, None), opts, quiet=quiet)
-    prompt = _prompt(model, whole.dir, args.prompt_tokens)
-
     spare = avail[max(stages) * c :]
-    if spare:  # the coordinator gets cores of its own where there are any left
+    if spare:
         os.sched_setaffinity(0, spare)
     _say(f"monolithic: whole model on cores {node_cores[0]}; coordinator on {spare or 'any core'}")
-    monos = [Mono(whole.dir, cores, prompt) for cores in node_cores]
+    return Setup(model, weights, opts, stages, node_cores, whole.dir)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    setup = prepare(args)
+    model, weights, opts, node_cores = setup.model, setup.weights, setup.opts, setup.node_cores
+    prompt = _prompt(model, setup.whole_dir, args.prompt_tokens)
+    monos = [Mono(setup.whole_dir, cores, prompt) for cores in node_cores]
     try:
         return _rows(args, model, opts, weights, monos, node_cores, prompt)
     finally:

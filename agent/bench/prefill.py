@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 from typing import Any
 
 from agent import aio
-from agent.bench.pipeline import IDLE_S, BenchError, Mono, _ints, _say, resolve_model
-from agent.export.exporter import ExportOptions, export_model
-from agent.models.registry import REGISTRY
+from agent.bench.pipeline import IDLE_S, BenchError, Mono, _ints, _say, prepare
 from coordinator.local_cluster import LocalCluster
 from coordinator.scheduler import PREFILL_PIECES_PER_STAGE, GenRequest, prefill_chunks
-from coordinator.serve import Coordinator, ServeConfig, plan_ranges
+from coordinator.serve import Coordinator, ServeConfig
 
 
 def _prompt(tokens: int, vocab: int) -> list[int]:
@@ -64,34 +61,20 @@ async def _measure(cfg: ServeConfig, prompt: list[int], runs: int, mono: Mono) -
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    quiet = bool(args.json)
-    model = resolve_model(args.model, args.random_weights, quiet)
-    spec = REGISTRY.get(args.model)
-    weights = args.weights or (spec.default_weights if spec else "int4")
-    opts = ExportOptions(weights=weights)
-    stages, c = _ints(args.stages), args.cores_per_node
-    if min(stages) < 2:
+    if min(_ints(args.stages)) < 2:
         raise BenchError("--stages: pieces only overlap on 2 stages or more")
-    avail = sorted(os.sched_getaffinity(0))
-    if max(stages) * c > len(avail):
-        raise BenchError(f"{max(stages)} nodes x {c} cores need {max(stages) * c} cores; this machine has {len(avail)}")
-    node_cores = [avail[i * c : (i + 1) * c] for i in range(max(stages))]
-    whole = export_model(model, [(0, model.num_layers)], opts, quiet=quiet)
-    for s in stages:
-        export_model(model, plan_ranges(model, s, None), opts, quiet=quiet)
+    setup = prepare(args)
+    model, c = setup.model, args.cores_per_node
     prompt = _prompt(args.prompt_tokens, int(model.config().vocab_size))
-    spare = avail[max(stages) * c :]
-    if spare:
-        os.sched_setaffinity(0, spare)
-    mono = Mono(whole.dir, node_cores[0], prompt)
+    mono = Mono(setup.whole_dir, setup.node_cores[0], prompt)
     rows = []
     try:
-        for term, s in enumerate(stages, start=1):
-            with LocalCluster(s, cores=node_cores[:s], threads=c, device="CPU") as cluster:
+        for term, s in enumerate(setup.stages, start=1):
+            with LocalCluster(s, cores=setup.node_cores[:s], threads=c, device="CPU") as cluster:
                 cfg = ServeConfig(
                     nodes=cluster.nodes,
                     model=model,
-                    opts=opts,
+                    opts=setup.opts,
                     api_port=0,
                     quiet=True,
                     term=term,
@@ -129,7 +112,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "suite": "prefill",
         "model": model.name,
-        "weights": weights,
+        "weights": setup.weights,
         "random_weights": bool(args.random_weights),
         "cores_per_node": c,
         "prompt_tokens": len(prompt),
