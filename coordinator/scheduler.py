@@ -66,14 +66,6 @@ def prefill_chunks(
     return [base + (1 if i < extra else 0) for i in range(pieces)]
 
 
-def _split(prompt: tuple[int, ...], sizes: list[int]) -> list[tuple[int, ...]]:
-    out, off = [], 0
-    for k in sizes:
-        out.append(prompt[off : off + k])
-        off += k
-    return out
-
-
 async def _settle(futs: list[asyncio.Future[tuple[int, ...]]]) -> tuple[int, ...]:
     """Wait for every prefill frame; the last one's tokens, or the first error raised."""
     res = await asyncio.gather(*futs, return_exceptions=True)
@@ -205,7 +197,7 @@ class Scheduler:
 
     async def _in_ring(self, pipeline: Pipeline, stream: str, req: GenRequest) -> AsyncGenerator[int, None]:
         """Plain decoding with the coordinator off the per-token path (``Fwd.auto``)."""
-        chunks = _split(req.prompt, self._chunks(pipeline, len(req.prompt)))
+        chunks = self._pieces(pipeline, req.prompt)
         futs = [pipeline.send_step(stream, c, start=i == 0, sampling=req.sampling) for i, c in enumerate(chunks[:-1])]
         q = await pipeline.async_run(
             stream,
@@ -230,15 +222,20 @@ class Scheduler:
 
     async def _prefill(self, pipeline: Pipeline, stream: str, req: GenRequest) -> tuple[int, ...]:
         """Send the prompt's pieces all at once (see :func:`prefill_chunks`); the last one's tokens."""
-        chunks = _split(req.prompt, self._chunks(pipeline, len(req.prompt)))
+        chunks = self._pieces(pipeline, req.prompt)
         futs = [
             pipeline.send_step(stream, c, start=i == 0, sampling=req.sampling, ret_logits=not req.ids_only)
             for i, c in enumerate(chunks)
         ]
         return await _settle(futs)
 
-    def _chunks(self, pipeline: Pipeline, n: int) -> list[int]:
-        return prefill_chunks(n, len(pipeline.placements), per_stage=self.prefill_per_stage)
+    def _pieces(self, pipeline: Pipeline, prompt: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """The prompt cut for ``pipeline`` (see :func:`prefill_chunks`)."""
+        out, off = [], 0
+        for k in prefill_chunks(len(prompt), len(pipeline.placements), per_stage=self.prefill_per_stage):
+            out.append(prompt[off : off + k])
+            off += k
+        return out
 
     def shutdown(self) -> None:
         if self.speculator is not None:
