@@ -16,7 +16,7 @@ import urllib.request
 from typing import Any
 
 from agent import aio
-from agent.bench.pipeline import resolve_model
+from agent.bench.pipeline import resolve_model, synthetic_ids
 from agent.export.exporter import ExportOptions, export_model
 from agent.models.registry import REGISTRY
 from coordinator.local_cluster import LocalCluster
@@ -35,7 +35,7 @@ async def _grow(cfg: ServeConfig, streams: int, prompt_tokens: int) -> list[floa
     try:
         assert coord.pipeline is not None
         pipe = coord.pipeline
-        prompt = [(1000 + 7 * i) % 30000 + 10 for i in range(prompt_tokens)]
+        prompt = synthetic_ids(prompt_tokens)
         rss = [_node(cfg.nodes[0])["rss_mb"]]
         for _ in range(streams):
             sid = pipe.new_stream()

@@ -66,13 +66,18 @@ def resolve_model(name: str, random_weights: bool, quiet: bool) -> LocalModel:
     return ModelStore().resolve(name, quiet=quiet)
 
 
+def synthetic_ids(tokens: int, span: int = 30000) -> list[int]:
+    """Token ids of a prompt whose words do not matter, only its length (all in ``10..span+9``)."""
+    return [(1000 + 7 * i) % span + 10 for i in range(tokens)]
+
+
 def _prompt(model: LocalModel, export_dir: Path, length: int) -> list[int]:
     tok_dir = export_dir / "tokenizer"
     if tok_dir.is_dir():
         from agent.runtime.tokenizer import ChatTokenizer
 
         return ChatTokenizer(tok_dir).chat_ids([{"role": "user", "content": PROMPT}])
-    return [(1000 + 7 * i) % 30000 + 10 for i in range(length)]
+    return synthetic_ids(length)
 
 
 class Mono:

@@ -20,15 +20,10 @@ import statistics
 from typing import Any
 
 from agent import aio
-from agent.bench.pipeline import IDLE_S, BenchError, Mono, _ints, _say, prepare
+from agent.bench.pipeline import IDLE_S, BenchError, Mono, _ints, _say, prepare, synthetic_ids
 from coordinator.local_cluster import LocalCluster
 from coordinator.scheduler import PREFILL_PIECES_PER_STAGE, GenRequest, prefill_chunks
 from coordinator.serve import Coordinator, ServeConfig
-
-
-def _prompt(tokens: int, vocab: int) -> list[int]:
-    """Token ids of a long prompt: what they say does not change how long they take."""
-    return [(1000 + 7 * i) % (vocab - 20) + 10 for i in range(tokens)]
 
 
 async def _measure(cfg: ServeConfig, prompt: list[int], runs: int, mono: Mono) -> dict[str, list[float]]:
@@ -65,7 +60,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise BenchError("--stages: pieces only overlap on 2 stages or more")
     setup = prepare(args)
     model, c = setup.model, args.cores_per_node
-    prompt = _prompt(args.prompt_tokens, int(model.config().vocab_size))
+    # what the prompt says does not change how long it takes: any ids within the vocabulary
+    prompt = synthetic_ids(args.prompt_tokens, span=int(model.config().vocab_size) - 20)
     mono = Mono(setup.whole_dir, setup.node_cores[0], prompt)
     rows = []
     try:

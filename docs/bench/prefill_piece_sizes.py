@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from agent.bench.pipeline import synthetic_ids
 from agent.runtime.chain import Chain
 
 PROMPT = 512
@@ -30,7 +31,7 @@ def prefill(chain: Chain, ids: np.ndarray, piece: int) -> tuple[float, list[floa
 def main() -> None:
     export = sorted(Path.home().glob(".cache/lakeshard/exports/qwen2.5-coder-0.5b-*/int4-g128-0-24"))[0]
     chain = Chain.load(export, device="CPU", threads=1)
-    ids = np.array([(1000 + 7 * i) % 30000 + 10 for i in range(PROMPT)], dtype=np.int64)
+    ids = np.array(synthetic_ids(PROMPT), dtype=np.int64)
     prefill(chain, ids, PROMPT)  # warm-up: first inferences allocate
     prefill(chain, ids, 64)
     for _ in range(2):
