@@ -28,6 +28,7 @@ EVENTS = ("recv", "start", "end", "done")
 
 @dataclass
 class Proc:
+    name: str = ""  # the trace file's name
     ev: dict[str, dict[Key, int]] = field(default_factory=lambda: defaultdict(dict))
     sent: list[int] = field(default_factory=list)
 
@@ -35,7 +36,7 @@ class Proc:
 def load(folder: Path) -> list[Proc]:
     procs = []
     for f in sorted(folder.glob("frames-*.log")):
-        p = Proc()
+        p = Proc(f.name)
         for line in f.read_text().splitlines():
             t, kind, stream, seq = line.split()
             if kind == "sent":

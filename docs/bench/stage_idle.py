@@ -17,25 +17,25 @@ import statistics as st
 import sys
 from pathlib import Path
 
+from hop_trace import load  # the sibling script: run this one as docs/bench/stage_idle.py
+
 Step = tuple[int, int, tuple[str, int], int]  # start, end, (stream, seq), received
 
 
-def load(folder: Path) -> list[tuple[str, list[Step]]]:
+def steps_of(folder: Path) -> list[tuple[str, list[Step]]]:
+    """Each agent's steps in start order (the trace files as :func:`hop_trace.load` reads them)."""
     procs = []
-    for f in sorted(folder.glob("frames-*.log")):
-        ev: dict[tuple[str, int], dict[str, int]] = {}
-        for line in f.read_text().splitlines():
-            t, kind, stream, seq = line.split()
-            if kind != "sent":
-                ev.setdefault((stream, int(seq)), {})[kind] = int(t)
-        steps = sorted((v["start"], v["end"], k, v["recv"]) for k, v in ev.items() if len(v) == 4)
+    for p in load(folder):
+        ev = p.ev
+        keys = set(ev["recv"]) & set(ev["start"]) & set(ev["end"]) & set(ev["done"])
+        steps = sorted((ev["start"][k], ev["end"][k], k, ev["recv"][k]) for k in keys)
         if steps:
-            procs.append((f.name, steps))
+            procs.append((p.name, steps))
     return procs
 
 
 def main(folder: Path) -> None:
-    procs = load(folder)
+    procs = steps_of(folder)
     t0 = min(steps[0][0] for _, steps in procs)
     for name, steps in procs:
         comp = [(b - a) / 1e6 for a, b, _, _ in steps]
