@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--data-port", type=_port, default=0)
     sv.add_argument("--streams", type=_positive_int, default=4, help="streams in flight at once (micro-batching)")
     sv.add_argument("--link-delay-ms", type=float, default=0.0, help="added one-way delay per hop (WAN stand-in)")
+    sv.add_argument(
+        "--link-mbps", type=float, default=0.0, help="line rate of every hop and stage download (WAN stand-in; 0: none)"
+    )
     sv.add_argument("--wire", choices=["f16", "f32"], default="f16", help="hidden-state dtype between stages")
     sv.add_argument("--exact", action="store_true", help="f32 activations, KV cache and wire (for parity checks)")
     sv.add_argument(
@@ -414,6 +417,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise CliError("--api-host is not a loopback address: set --api-key so the API is not open to the network")
     if args.link_delay_ms < 0:
         raise CliError("--link-delay-ms must not be negative")
+    if args.link_mbps < 0:
+        raise CliError("--link-mbps must not be negative")
     if args.spec_k is not None and not args.draft:
         raise CliError("--spec-k needs --draft (a draft model, NAME+lookup, or lookup)")
     model = ModelStore().resolve(args.model)
@@ -429,6 +434,7 @@ def _serve(args: argparse.Namespace) -> int:
         data_port=args.data_port,
         max_streams=args.streams,
         link_delay_ms=args.link_delay_ms,
+        link_mbps=args.link_mbps,
         wire_dtype="f32" if args.exact else args.wire,
         exact=args.exact,
         ship_artifacts=args.ship_artifacts,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 
@@ -20,7 +21,22 @@ from agent import frametrace
 from agent.protocol import MAX_FRAME
 
 log = logging.getLogger(__name__)
-HEARTBEAT_S = 5.0
+
+
+def _heartbeat_s() -> float:
+    """Seconds of silence before a websocket is pinged (a missing pong then closes it after half
+    as long again); ``LAKESHARD_HEARTBEAT_S`` shortens it for tests."""
+    v = os.environ.get("LAKESHARD_HEARTBEAT_S", "")
+    try:
+        s = float(v) if v else 5.0
+    except ValueError:
+        s = -1.0
+    if not 0.05 <= s <= 600:
+        raise SystemExit(f"lakeshard: error: LAKESHARD_HEARTBEAT_S must be seconds from 0.05 to 600, not {v!r}")
+    return s
+
+
+HEARTBEAT_S = _heartbeat_s()
 
 
 class LinkClosed(ConnectionError):

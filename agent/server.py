@@ -20,7 +20,7 @@ from aiohttp import web
 
 from agent import frametrace
 from agent.link import HEARTBEAT_S, Link
-from agent.protocol import MAX_FRAME, Assign, Close, Error, Fwd, ProtocolError, decode, encode
+from agent.protocol import MAX_FRAME, Assign, Close, Error, Fwd, Message, ProtocolError, decode, encode
 from agent.stage_host import Output, StageHost
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class AgentRuntime:
 
     def submit_fwd(self, fwd: Fwd, payload: memoryview, reply: web.WebSocketResponse | None) -> None:
         if self.pending >= MAX_PENDING:
-            self._spawn(self.report(ProtocolError("busy", "stage queue is full", fwd.stream, fwd.seq), reply))
+            self.spawn(self.report(ProtocolError("busy", "stage queue is full", fwd.stream, fwd.seq), reply))
             return
         self.pending += 1
 
@@ -85,10 +85,10 @@ class AgentRuntime:
                     self._continue(follow, follow_payload, follow_frame)
                 self._send(frame)
             elif isinstance(exc, ProtocolError):
-                self._spawn(self.report(exc, reply))
+                self.spawn(self.report(exc, reply))
             else:
                 log.error("stage failed on stream %s: %r", fwd.stream, exc)
-                self._spawn(self.report(ProtocolError("internal", str(exc), fwd.stream, fwd.seq), reply))
+                self.spawn(self.report(ProtocolError("internal", str(exc), fwd.stream, fwd.seq), reply))
 
         self.host.compute.submit(self._work, (fwd, payload), done)
 
@@ -128,10 +128,12 @@ class AgentRuntime:
             return
         self.next.send_nowait(frame)
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run ``coro`` in a task that lives as long as this runtime (cancelled when it closes)."""
         t = asyncio.create_task(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
+        return t
 
     async def report(self, e: ProtocolError, reply: web.WebSocketResponse | None) -> None:
         # a step the ring was still running when its stream ended: nobody waits for it
@@ -167,9 +169,23 @@ async def ws_handler(request: web.Request) -> web.WebSocketResponse:
     rt = request.app[RUNTIME]
     ws = web.WebSocketResponse(heartbeat=HEARTBEAT_S, max_msg_size=MAX_FRAME, compress=False)
     await ws.prepare(request)
+    # Frames are handled in arrival order. An assignment may take minutes (a download, a cold
+    # compile): it, and any frame after it on this connection, runs in a task, so that this loop
+    # keeps reading, which is what answers the peer's heartbeat pings meanwhile.
+    behind: asyncio.Task[None] | None = None
     async for m in ws:
         if m.type == aiohttp.WSMsgType.BINARY:
-            await _on_frame(rt, ws, m.data)
+            try:
+                msg, payload = decode(m.data)
+            except ProtocolError as e:
+                await rt.report(e, ws)
+                continue
+            if behind is not None and behind.done():
+                behind = None
+            if behind is None and not isinstance(msg, Assign):
+                await _on_frame(rt, ws, msg, payload)
+            else:
+                behind = rt.spawn(_in_turn(behind, _on_frame(rt, ws, msg, payload)))
         elif m.type == aiohttp.WSMsgType.TEXT:
             await rt.report(ProtocolError("bad_frame", "frames must be binary"), ws)
         elif m.type == aiohttp.WSMsgType.ERROR:
@@ -177,9 +193,14 @@ async def ws_handler(request: web.Request) -> web.WebSocketResponse:
     return ws
 
 
-async def _on_frame(rt: AgentRuntime, ws: web.WebSocketResponse, data: bytes) -> None:
+async def _in_turn(before: asyncio.Task[None] | None, handle: Coroutine[Any, Any, None]) -> None:
+    if before is not None:
+        await asyncio.wait([before])
+    await handle
+
+
+async def _on_frame(rt: AgentRuntime, ws: web.WebSocketResponse, msg: Message, payload: memoryview) -> None:
     try:
-        msg, payload = decode(data)
         if isinstance(msg, Fwd):
             frametrace.mark("recv", msg.stream, msg.seq)
             rt.host.check_term(msg.term)

@@ -97,12 +97,12 @@ class StageHost:
             async with aiohttp.ClientSession() as s:
                 base = msg.artifacts_url.rstrip("/")
                 (part / "manifest.json").unlink(missing_ok=True)
-                await self._fetch(s, f"{base}/manifest.json", part / "manifest.json")
+                await self._fetch(s, f"{base}/manifest.json", part / "manifest.json", msg.link_mbps)
                 if await asyncio.to_thread(sha256_file, part / "manifest.json") != msg.manifest_sha256:
                     raise ProtocolError("bad_artifact", "manifest hash does not match the assignment")
                 manifest = json.loads((part / "manifest.json").read_text())
                 for name in STAGE_FILES:
-                    await self._fetch(s, f"{base}/{name}", part / name)
+                    await self._fetch(s, f"{base}/{name}", part / name, msg.link_mbps)
                     if await asyncio.to_thread(sha256_file, part / name) != manifest["files"][name]["sha256"]:
                         (part / name).unlink()
                         raise ProtocolError("bad_artifact", f"{name}: sha256 does not match the manifest")
@@ -114,8 +114,9 @@ class StageHost:
         finally:
             self.fetching = None
 
-    async def _fetch(self, s: aiohttp.ClientSession, url: str, path: Path) -> None:
-        """GET ``url`` into ``path``, resuming a partial file with a Range request; progress in status."""
+    async def _fetch(self, s: aiohttp.ClientSession, url: str, path: Path, mbps: float = 0.0) -> None:
+        """GET ``url`` into ``path``, resuming a partial file with a Range request; progress in status.
+        ``mbps``: the emulated line rate (WAN mode), which the download keeps to."""
         have = path.stat().st_size if path.exists() else 0
         headers = {"Range": f"bytes={have}-"} if have else {}
         async with s.get(url, headers=headers) as r:
@@ -127,10 +128,14 @@ class StageHost:
                 have = 0
             total = have + (r.content_length or 0)
             self.fetching = {"file": path.name, "bytes": have, "total": total, "resumed_from": have}
+            t0, got = time.monotonic(), 0
             with path.open("ab" if have else "wb") as f:
                 async for chunk in r.content.iter_chunked(1 << 20):
                     f.write(chunk)
                     self.fetching["bytes"] += len(chunk)
+                    got += len(chunk)
+                    if mbps > 0:
+                        await asyncio.sleep(max(0.0, t0 + got * 8 / (mbps * 1e6) - time.monotonic()))
 
     # -- frames (compute thread) -----------------------------------------------------------
     def check_term(self, term: int) -> None:

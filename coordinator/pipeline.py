@@ -96,6 +96,7 @@ class Pipeline:
         self._seq = itertools.count()
         self.assigned: list[Assigned] = []
         self._watchers: list[asyncio.Task[None]] = []
+        self._replies: list[asyncio.Future[bytes] | None] = []  # per stage: its assignment's reply, awaited
         self.lost: str | None = None  # the first agent found gone: the pipeline is broken
         self._closing = False
 
@@ -103,8 +104,13 @@ class Pipeline:
     async def async_start(self, timeout: float = 300.0) -> None:
         self._session = aiohttp.ClientSession()
         n = len(self.placements)
-        for p in self.placements:
-            self._control.append(await self._connect(p.node, timeout))
+        # Every control connection is read from the start: an agent that was assigned first must
+        # have its heartbeat pings answered while the next one downloads and compiles its stage.
+        self._replies = [None] * n
+        for i, p in enumerate(self.placements):
+            ws = await self._connect(p.node, timeout)
+            self._control.append(ws)
+            self._watchers.append(asyncio.create_task(self._watch_control(i, p.node, ws)))
         # Assign the last stage first: each stage connects to its next hop when assigned.
         self.assigned = [None] * n  # type: ignore[list-item]
         for i in reversed(range(n)):
@@ -125,23 +131,17 @@ class Pipeline:
                 link_mbps=self.link_mbps,
                 loop_hop=f"ws://{self.placements[0].node}/ws" if i == n - 1 and n > 1 else None,
             )
-            ws = self._control[i]
-            await ws.send_bytes(encode(msg))
-            reply = await asyncio.wait_for(ws.receive(), timeout)
-            if reply.type != aiohttp.WSMsgType.BINARY:  # say why: a missed heartbeat, the agent's close code
-                code = ws.close_code
-                why = ws.exception() or (f"close code {code}" if code is not None else reply.type.name)
-                raise PipelineError(f"agent {p.node} closed the connection during assignment ({why})")
-            got, _ = decode(reply.data)
+            reply: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+            self._replies[i] = reply
+            await self._control[i].send_bytes(encode(msg))
+            got, _ = decode(await asyncio.wait_for(reply, timeout))
             if isinstance(got, Error):
                 raise PipelineError(f"agent {p.node} refused stage {i}: {got.message}", got.code)
             assert isinstance(got, Assigned)
             self.assigned[i] = got
             log.info("stage %d on %s (%s), ready in %.1fs", i, p.node, got.device, got.compile_s)
-        self._watchers = [
-            asyncio.create_task(self._watch_control(p.node, ws))
-            for p, ws in zip(self.placements, self._control, strict=True)
-        ]
+        if self.lost is not None:  # an agent assigned earlier died while a later one was set up
+            raise PipelineError(f"the agent at {self.lost} is gone", "node_lost")
         first = f"ws://{self.placements[0].node}/ws"
         self._link = Link(first, delay_ms=self.link_delay_ms, mbps=self.link_mbps, on_frame=self.async_on_frame)
         await self._link.async_connect()
@@ -159,11 +159,21 @@ class Pipeline:
                     raise PipelineError(f"cannot reach the agent at {node}: {e}", "unreachable") from e
                 await asyncio.sleep(0.2)
 
-    async def _watch_control(self, node: str, ws: aiohttp.ClientWebSocketResponse) -> None:
-        """Errors from an agent, and its death: the control connection closes (or its heartbeat stops)."""
+    async def _watch_control(self, i: int, node: str, ws: aiohttp.ClientWebSocketResponse) -> None:
+        """An agent's replies to its assignment, its errors, and its death: the control connection
+        closes (or its heartbeat stops)."""
         async for m in ws:
             if m.type == aiohttp.WSMsgType.BINARY:
-                await self.async_on_frame(m.data)
+                reply = self._replies[i]
+                if reply is not None and not reply.done():
+                    reply.set_result(m.data)
+                else:
+                    await self.async_on_frame(m.data)
+        reply = self._replies[i]
+        if reply is not None and not reply.done():  # say why: a missed heartbeat, the agent's close code
+            code = ws.close_code
+            why = ws.exception() or (f"close code {code}" if code is not None else "closed")
+            reply.set_exception(PipelineError(f"agent {node} closed the connection during assignment ({why})"))
         if not self._closing:
             self.mark_lost(node)
 

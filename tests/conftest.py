@@ -104,7 +104,9 @@ def int4_exports(smollm2, export_root: Path) -> dict[int, Path]:  # type: ignore
 class Served:
     """A real cluster: agent processes plus a ``lakeshard serve`` coordinator process."""
 
-    def __init__(self, n: int, *extra: str, agent_env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, n: int, *extra: str, agent_env: dict[str, str] | None = None, env: dict[str, str] | None = None
+    ) -> None:
         from coordinator.local_cluster import LocalCluster, free_port
 
         self.cluster = LocalCluster(n, env=agent_env).start()
@@ -117,7 +119,7 @@ class Served:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+            env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})},
             cwd=REPO,
         )
         self.output: list[str] = []

@@ -34,6 +34,7 @@ from tests.conftest import run_cli
         (["bench", "prefill", "--stages", "2", "--cores-per-node", "64"], "2 nodes x 64 cores need 128 cores"),
         (["serve", "--nodes", "127.0.0.1:7700", "--spec-k", "3"], "--spec-k needs --draft"),
         (["serve", "--nodes", "127.0.0.1:7700", "--draft", "lookup", "--spec-k", "many"], "expected auto or a number"),
+        (["serve", "--nodes", "127.0.0.1:7700", "--link-mbps", "-5"], "--link-mbps must not be negative"),
         (["agent", "--cluster", "bad id!"], "cluster_id: 'bad id!' must be"),
         (["agent", "--static-peers", "10.0.0.1"], "--static-peers: '10.0.0.1' is not host:port"),
         (["agent", "--config", "/nonexistent/lakeshard.yaml"], "no such settings file"),
