@@ -77,6 +77,11 @@ async def _settle(futs: list[asyncio.Future[tuple[int, ...]]]) -> tuple[int, ...
     return last
 
 
+def _read_outcome(fut: asyncio.Future[tuple[int, ...]]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
 def _ring_stop(req: GenRequest) -> list[int]:
     """The stop ids a ring run checks itself (the coordinator checks them all)."""
     return sorted(req.stop_ids)[:MAX_STOP]
@@ -199,14 +204,19 @@ class Scheduler:
         """Plain decoding with the coordinator off the per-token path (``Fwd.auto``)."""
         chunks = self._pieces(pipeline, req.prompt)
         futs = [pipeline.send_step(stream, c, start=i == 0, sampling=req.sampling) for i, c in enumerate(chunks[:-1])]
-        q = await pipeline.async_run(
-            stream,
-            chunks[-1],
-            start=len(chunks) == 1,
-            auto=req.max_tokens - 1,
-            stop=_ring_stop(req),
-            sampling=req.sampling,
-        )
+        try:
+            q = await pipeline.async_run(
+                stream,
+                chunks[-1],
+                start=len(chunks) == 1,
+                auto=req.max_tokens - 1,
+                stop=_ring_stop(req),
+                sampling=req.sampling,
+            )
+        except BaseException:
+            for f in futs:  # the pieces sent before fail too: their errors are read here, not logged as lost
+                f.add_done_callback(_read_outcome)
+            raise
         await _settle(futs)  # a piece the ring refused fails the request here
         stats = self.speculator.stats if self.speculator is not None else None
         prev: float | None = None
