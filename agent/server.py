@@ -210,7 +210,10 @@ async def _on_frame(rt: AgentRuntime, ws: web.WebSocketResponse, msg: Message, p
             await rt.async_set_next(msg.next_hop, msg.link_delay_ms, msg.link_mbps)
             loop_hop = msg.loop_hop if msg.stage == msg.stages - 1 and msg.stages > 1 else None
             await rt.async_set_loop(loop_hop, msg.link_delay_ms, msg.link_mbps)
-            await ws.send_bytes(encode(assigned))
+            try:
+                await ws.send_bytes(encode(assigned))
+            except (ConnectionError, RuntimeError):  # the coordinator left while the stage was set up
+                log.info("stage %d of term %d ready, but the coordinator that assigned it is gone", msg.stage, msg.term)
         elif isinstance(msg, Close | Error):
             rt.submit_end(msg)
         else:
