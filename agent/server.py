@@ -180,9 +180,7 @@ async def ws_handler(request: web.Request) -> web.WebSocketResponse:
             except ProtocolError as e:
                 await rt.report(e, ws)
                 continue
-            if behind is not None and behind.done():
-                behind = None
-            if behind is None and not isinstance(msg, Assign):
+            if (behind is None or behind.done()) and not isinstance(msg, Assign):
                 await _on_frame(rt, ws, msg, payload)
             else:
                 behind = rt.spawn(_in_turn(behind, _on_frame(rt, ws, msg, payload)))
