@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import threading
+import urllib.error
+import urllib.request
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,6 +149,25 @@ class Served:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self.cluster.stop()
+
+
+def post_chat(url: str, body: dict[str, Any], timeout: float = 300) -> tuple[int, dict[str, Any]]:
+    """POST a chat completion to the coordinator API at ``url``: the status and the JSON body."""
+    req = urllib.request.Request(
+        f"{url}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def chat(served: Served, prompt: str, **kw: Any) -> str:
+    """One user message through ``served``'s API; the reply's text (the request must succeed)."""
+    status, body = post_chat(served.api_url, {"messages": [{"role": "user", "content": prompt}], **kw})
+    assert status == 200, body
+    return str(body["choices"][0]["message"]["content"])
 
 
 @pytest.fixture(scope="session")

@@ -12,8 +12,7 @@ from pathlib import Path
 import aiohttp
 
 from agent.protocol import Assign, Error, decode, encode
-from tests.conftest import PROMPTS, Served
-from tests.test_pipeline import _chat
+from tests.conftest import PROMPTS, Served, chat
 
 
 def test_agents_download_verify_and_cache_their_stage(smollm2, tmp_path: Path, whole_int8, smollm2_tokenizer) -> None:  # type: ignore[no-untyped-def]
@@ -29,7 +28,7 @@ def test_agents_download_verify_and_cache_their_stage(smollm2, tmp_path: Path, w
         agent_env={"LAKESHARD_HOME": str(home)},
     )
     try:
-        text = _chat(served, PROMPTS[0], max_tokens=32, temperature=0)
+        text = chat(served, PROMPTS[0], max_tokens=32, temperature=0)
         ids = smollm2_tokenizer.chat_ids([{"role": "user", "content": PROMPTS[0]}])
         ref = smollm2_tokenizer.decode(
             whole_int8.generate(ids, max_tokens=32, stop_ids=smollm2_tokenizer.stop_ids).tokens
@@ -65,7 +64,7 @@ def test_agents_download_verify_and_cache_their_stage(smollm2, tmp_path: Path, w
         with urllib.request.urlopen(f"http://{served.nodes[0]}/v1/node", timeout=10) as r:
             assert json.loads(r.read())["stage"]["term_seen"] == 1
         # the agent kept its stage: the pipeline still answers, identically
-        assert _chat(served, PROMPTS[0], max_tokens=32, temperature=0) == text
+        assert chat(served, PROMPTS[0], max_tokens=32, temperature=0) == text
     finally:
         served.stop()
 

@@ -3,13 +3,11 @@ stage (a slow download, a cold compile) is never taken for dead."""
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
 from pathlib import Path
 
 from agent import paths
-from tests.conftest import Served
+from tests.conftest import Served, chat
 
 HEARTBEAT_S = "1.5"  # a ping after 1.5 s of silence; no pong within 0.75 s closes the connection
 
@@ -41,13 +39,7 @@ def test_agents_busy_downloading_their_stage_for_longer_than_the_heartbeat_still
     try:
         assert time.monotonic() - t0 > 2 * 4.0  # both downloads really were that slow
         assert len(list((tmp_path / "agents" / "cache" / "artifacts").iterdir())) == 2
-        body = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8, "temperature": 0}
-        req = urllib.request.Request(
-            f"{served.api_url}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=120) as r:
-            reply = json.loads(r.read())
-        assert reply["choices"][0]["message"]["content"].strip()
+        assert chat(served, "Name a colour.", max_tokens=8, temperature=0).strip()
         assert not any("gone" in line for line in served.output), "".join(served.output[-20:])
     finally:
         served.stop()

@@ -13,8 +13,7 @@ import msgpack
 import numpy as np
 
 from agent.protocol import Error, Fwd, decode, encode
-from tests.conftest import PROMPTS, Served
-from tests.test_pipeline import _chat
+from tests.conftest import PROMPTS, Served, chat
 
 
 def _raw(header: dict[str, Any], payload: bytes = b"") -> bytes:
@@ -63,9 +62,9 @@ async def _attack(node: str, hidden: int, term: int) -> list[tuple[str, str | No
 
 
 def test_malformed_frames_get_errors_and_healthy_streams_finish(served3: Served) -> None:
-    expected = _chat(served3, PROMPTS[2], max_tokens=64, temperature=0)
+    expected = chat(served3, PROMPTS[2], max_tokens=64, temperature=0)
     got: list[str] = []
-    healthy = threading.Thread(target=lambda: got.append(_chat(served3, PROMPTS[2], max_tokens=64, temperature=0)))
+    healthy = threading.Thread(target=lambda: got.append(chat(served3, PROMPTS[2], max_tokens=64, temperature=0)))
     healthy.start()
     codes = asyncio.run(_attack(served3.nodes[1], hidden=576, term=1))
     healthy.join(300)
@@ -82,7 +81,7 @@ def test_malformed_frames_get_errors_and_healthy_streams_finish(served3: Served)
     ]
     assert got == [expected]
     # and the pipeline still serves new requests afterwards
-    assert _chat(served3, PROMPTS[2], max_tokens=64, temperature=0) == expected
+    assert chat(served3, PROMPTS[2], max_tokens=64, temperature=0) == expected
 
 
 def test_stage_zero_refuses_out_of_range_token_ids(served3: Served) -> None:

@@ -12,24 +12,7 @@ import pytest
 
 from agent.runtime.sampling import Sampling
 from coordinator.scheduler import prefill_chunks
-from tests.conftest import PROMPTS, Served
-
-
-def _post(url: str, body: dict[str, Any], timeout: float = 300) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(
-        f"{url}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def _chat(served: Served, prompt: str, **kw: Any) -> str:
-    status, body = _post(served.api_url, {"messages": [{"role": "user", "content": prompt}], **kw})
-    assert status == 200, body
-    return str(body["choices"][0]["message"]["content"])
+from tests.conftest import PROMPTS, Served, chat, post_chat
 
 
 def _reference(whole, tok, prompt: str, max_tokens: int, sampling: Sampling | None = None) -> str:  # type: ignore[no-untyped-def]
@@ -40,7 +23,7 @@ def _reference(whole, tok, prompt: str, max_tokens: int, sampling: Sampling | No
 
 def test_three_agents_give_the_whole_model_greedy_tokens(served3: Served, whole_int8, smollm2_tokenizer) -> None:  # type: ignore[no-untyped-def]
     for prompt in PROMPTS[:2]:
-        got = _chat(served3, prompt, max_tokens=48, temperature=0)
+        got = chat(served3, prompt, max_tokens=48, temperature=0)
         assert got == _reference(whole_int8, smollm2_tokenizer, prompt, 48)
         assert len(got) > 20
 
@@ -62,7 +45,7 @@ def test_a_long_prompt_prefilled_in_pieces_through_the_ring_gives_the_whole_mode
     prompt = f"Here is some Python code:\n{LONG_CODE}\nWhich function adds the most per call, and why?"
     n = len(smollm2_tokenizer.chat_ids([{"role": "user", "content": prompt}]))
     assert len(prefill_chunks(n, 3)) >= 3  # sent as several prefill frames at once
-    got = _chat(served3, prompt, max_tokens=32, temperature=0)
+    got = chat(served3, prompt, max_tokens=32, temperature=0)
     assert got == _reference(whole_int8, smollm2_tokenizer, prompt, 32)
     assert len(got) > 20
 
@@ -73,12 +56,12 @@ def test_concurrent_streams_each_equal_their_solo_run(served3: Served) -> None:
         (PROMPTS[1], {"max_tokens": 24, "temperature": 0.8, "seed": 5}),
         (PROMPTS[2], {"max_tokens": 32, "temperature": 1.0, "top_p": 0.9, "seed": 11}),
     ]
-    solo = [_chat(served3, p, **kw) for p, kw in cases]
+    solo = [chat(served3, p, **kw) for p, kw in cases]
     results: list[str | None] = [None] * len(cases)
 
     def run(i: int) -> None:
         p, kw = cases[i]
-        results[i] = _chat(served3, p, **kw)
+        results[i] = chat(served3, p, **kw)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cases))]
     for t in threads:
@@ -110,7 +93,7 @@ def test_openai_client_streams_a_chat_completion(served3: Served) -> None:
 
 
 def test_stop_strings_and_max_tokens(served3: Served) -> None:
-    status, body = _post(
+    status, body = post_chat(
         served3.api_url,
         {
             "messages": [{"role": "user", "content": "Count from 1 to 20, separated by commas."}],
@@ -122,7 +105,7 @@ def test_stop_strings_and_max_tokens(served3: Served) -> None:
     text = body["choices"][0]["message"]["content"]
     assert "5" in text
     cut = text[: text.index("5")]
-    status, body = _post(
+    status, body = post_chat(
         served3.api_url,
         {
             "messages": [{"role": "user", "content": "Count from 1 to 20, separated by commas."}],
@@ -133,7 +116,7 @@ def test_stop_strings_and_max_tokens(served3: Served) -> None:
     )
     assert body["choices"][0]["message"]["content"] == cut
     assert body["choices"][0]["finish_reason"] == "stop"
-    status, body = _post(
+    status, body = post_chat(
         served3.api_url, {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 3}
     )
     assert body["choices"][0]["finish_reason"] == "length"
@@ -183,7 +166,7 @@ def test_client_disconnect_cancels_generation_and_frees_streams(served3: Served)
     ],
 )
 def test_bad_requests_get_openai_style_errors(served3: Served, body: dict[str, Any], message: str) -> None:
-    status, reply = _post(served3.api_url, body)
+    status, reply = post_chat(served3.api_url, body)
     assert status == 400
     assert message in reply["error"]["message"]
     assert reply["error"]["type"] == "invalid_request_error"
