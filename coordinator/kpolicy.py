@@ -70,6 +70,15 @@ def prefill_pays(plain_rate: float, spec_rate: float, tokens: int, prefill_s: fl
     return tokens * (1.0 / plain_rate - 1.0 / spec_rate) > prefill_s
 
 
+def prefill_added(wait_s: float, alone_s: float, beside_s: float) -> float:
+    """What the draft's prefill adds to a request, per prompt token: the time the request waits
+    for it after the target's prefill (``wait_s``), plus how much slower the target's prefill
+    runs beside it (``beside_s``) than alone (``alone_s``). On a ring of other machines the
+    draft prefills while the target's prefill crosses the network, and adds little; where the
+    draft shares the target's cores, about its whole duration."""
+    return wait_s + max(0.0, beside_s - alone_s)
+
+
 MAX_THRESHOLD = 0.9  # never demand more certainty than this of a draft
 
 
@@ -166,7 +175,12 @@ class SpecStats:
         self._speculating = False
         self.last_k = 0
         self.prefill_s: float | None = None  # the draft model's prefill time per prompt token
+        # per prompt token: how long a request waited for the draft's prefill once the target's
+        # was done, and the target's own prefill with the draft's running beside it or not
+        self.prefill_wait_s: float | None = None
+        self.target_prefill_s: dict[bool, float | None] = {False: None, True: None}
         self._prefills = 0
+        self._target_prefills = 0
         self._drafts = 0
 
     def _ewma(self, old: float | None, new: float) -> float:
@@ -214,20 +228,46 @@ class SpecStats:
         if not speculative:
             self.probe_debt_s = max(0.0, self.probe_debt_s - max(seconds, 0.0))
 
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
-        """The draft model prefilled a ``tokens``-token prompt in ``seconds``. The first prefill
-        (a cold model) and short ones (mostly fixed cost) are not taken per token."""
+    def observe_prefill(self, tokens: int, seconds: float, waited: float | None = None) -> None:
+        """The draft model prefilled a ``tokens``-token prompt in ``seconds``, and the request
+        then waited ``waited`` seconds for it after the target's prefill was done. The first
+        prefill (a cold model) and short ones (mostly fixed cost) are not taken per token."""
         self._prefills += 1
         if self._prefills > 1 and tokens >= PREFILL_MIN_TOKENS:
             self.prefill_s = self._ewma(self.prefill_s, max(seconds, 0.0) / tokens)
+            if waited is not None:
+                self.prefill_wait_s = self._ewma(self.prefill_wait_s, max(waited, 0.0) / tokens)
+
+    def observe_target_prefill(self, tokens: int, seconds: float, beside_draft: bool) -> None:
+        """The pipeline prefilled a ``tokens``-token prompt in ``seconds`` (to its first token),
+        with the draft model prefilling the same prompt beside it or not. The first (a cold
+        pipeline) and short ones are not taken."""
+        self._target_prefills += 1
+        if self._target_prefills > 1 and tokens >= PREFILL_MIN_TOKENS:
+            old = self.target_prefill_s[beside_draft]
+            self.target_prefill_s[beside_draft] = self._ewma(old, max(seconds, 0.0) / tokens)
+
+    def prefill_cost(self, prompt_len: int) -> float | None:
+        """What the draft's prefill of a ``prompt_len``-token prompt adds to a request: the wait
+        for it after the target's prefill, plus what running beside the target slowed the
+        target's down by (where they share cores). Its whole duration until the target's
+        prefill is timed both with and without it; None until it is timed at all."""
+        if self.prefill_s is None:
+            return None
+        alone, beside = self.target_prefill_s[False], self.target_prefill_s[True]
+        per = self.prefill_s
+        if self.prefill_wait_s is not None and alone is not None and beside is not None:
+            per = min(per, prefill_added(self.prefill_wait_s, alone, beside))
+        return per * prompt_len
 
     def draft_pays(self, prompt_len: int, max_tokens: int) -> bool:
         """While the policy speculates: whether a new request of ``prompt_len`` prompt tokens and
-        up to ``max_tokens`` new ones repays the draft's prefill of its prompt, at the rate
-        speculation delivers (the model's promise, or the rounds' record where lower) against
-        plain decoding's. True until a prefill is timed."""
+        up to ``max_tokens`` new ones repays what the draft's prefill of its prompt adds
+        (:meth:`prefill_cost`), at the rate speculation delivers (the model's promise, or the
+        rounds' record where lower) against plain decoding's. True until a prefill is timed."""
         c = self.costs()
-        if c is None or self.prefill_s is None:
+        cost = self.prefill_cost(prompt_len)
+        if c is None or cost is None:
             return True
         k = choose_k(c, min(self.k_max, max(max_tokens - 1, 0)))
         if k == 0:
@@ -236,7 +276,7 @@ class SpecStats:
         realized = self.realized_rate(True)
         if realized is not None:
             spec = min(spec, realized)
-        return prefill_pays(tokens_per_s(c, 0), spec, max_tokens, self.prefill_s * prompt_len)
+        return prefill_pays(tokens_per_s(c, 0), spec, max_tokens, cost)
 
     def charge_probe(self, seconds: float) -> None:
         """A probe's draft first spent ``seconds`` catching up on the plain rounds before it: the

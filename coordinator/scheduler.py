@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from agent.protocol import SamplingSpec
 from coordinator.pipeline import Pipeline, PipelineError, run_token
-from coordinator.speculative import SpecConfig, Speculator
+from coordinator.speculative import DraftHandle, SpecConfig, Speculator
 
 log = logging.getLogger(__name__)
 PREFILL_CHUNK = 1024  # the most prompt tokens one frame carries
@@ -162,7 +162,9 @@ class Scheduler:
                 async for tok in self._in_ring(pipeline, stream, req):
                     yield tok
                 return
+            t0 = time.perf_counter()
             toks = await self._prefill(pipeline, stream, req)
+            self._observe_prefill(req, time.perf_counter() - t0, draft)
             if spec is not None and draft is not None:
                 gen = spec.async_decode(
                     stream,
@@ -202,6 +204,7 @@ class Scheduler:
 
     async def _in_ring(self, pipeline: Pipeline, stream: str, req: GenRequest) -> AsyncGenerator[int, None]:
         """Plain decoding with the coordinator off the per-token path (``Fwd.auto``)."""
+        t0 = time.perf_counter()
         chunks = self._pieces(pipeline, req.prompt)
         futs = [pipeline.send_step(stream, c, start=i == 0, sampling=req.sampling) for i, c in enumerate(chunks[:-1])]
         try:
@@ -223,12 +226,21 @@ class Scheduler:
         for _ in range(req.max_tokens):
             tok = run_token(await q.get())
             now = time.perf_counter()
-            if stats is not None and prev is not None:  # the K policy's plain rate stays current
+            if prev is None:  # the prompt's token
+                self._observe_prefill(req, now - t0, None)
+            elif stats is not None:  # the K policy's plain rate stays current
                 stats.observe_ring(now - prev)
             prev = now
             if tok in req.stop_ids:
                 return
             yield tok
+
+    def _observe_prefill(self, req: GenRequest, seconds: float, draft: DraftHandle | None) -> None:
+        """Tell the K policy how long the target's prefill took, and whether the draft's ran
+        beside it (what that costs a request is the policy's to weigh)."""
+        if self.speculator is not None:
+            beside = draft is not None and draft.ready is not None
+            self.speculator.stats.observe_target_prefill(len(req.prompt), seconds, beside)
 
     async def _prefill(self, pipeline: Pipeline, stream: str, req: GenRequest) -> tuple[int, ...]:
         """Send the prompt's pieces all at once (see :func:`prefill_chunks`); the last one's tokens."""

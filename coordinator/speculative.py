@@ -179,7 +179,9 @@ class Speculator:
         """
         session = handle.session
         if handle.ready is not None:  # the draft's prefill: not a cost of any round, but of the request
-            self.stats.observe_prefill(len(prompt), await asyncio.wrap_future(handle.ready))
+            t0 = time.perf_counter()
+            seconds = await asyncio.wrap_future(handle.ready)
+            self.stats.observe_prefill(len(prompt), seconds, waited=time.perf_counter() - t0)
         ctx = [*prompt, first]  # confirmed tokens
         yield first
         run_len = RUN_MIN  # plain tokens round the ring before a match-decided round looks again

@@ -14,6 +14,7 @@ from coordinator.kpolicy import (
     expected_tokens,
     match_bar,
     match_round_pays,
+    prefill_added,
     prefill_pays,
     tokens_per_s,
 )
@@ -297,6 +298,55 @@ def test_draft_pays_learns_the_prefill_from_long_warm_prompts() -> None:
     for _ in range(3):  # the rounds deliver little over plain: the promise is not believed
         s.observe_yield(True, 11, 1.0)
     assert not s.draft_pays(200, 64)
+
+
+# (case, wait after the target's prefill, target alone, target beside the draft: s a prompt
+# token; what the draft's prefill adds, s a prompt token)
+PREFILL_ADDED = [
+    ("a ring of other machines: the draft is done first", 0.0, 0.020, 0.020, 0.0),
+    ("the draft outlasts the target's prefill", 0.003, 0.010, 0.010, 0.003),
+    ("a shared node: the target slowed by the draft", 0.0, 0.010, 0.014, 0.004),
+    ("slowed and then waited for", 0.002, 0.010, 0.014, 0.006),
+    ("beside faster than alone (noise): no credit", 0.0, 0.010, 0.009, 0.0),
+]
+
+
+@pytest.mark.parametrize(("case", "wait", "alone", "beside", "want"), PREFILL_ADDED, ids=[c[0] for c in PREFILL_ADDED])
+def test_prefill_added(case: str, wait: float, alone: float, beside: float, want: float) -> None:
+    assert prefill_added(wait, alone, beside) == pytest.approx(want)
+
+
+def _wan_stats() -> SpecStats:
+    """A 100 ms/hop ring's costs (measured): plain 2.1 tok/s, speculation about 3 tok/s."""
+    s = SpecStats()
+    s.step_s, s.extra_s, s.draft_s, s.acceptance, s.ring_s = 0.48, 0.05, 0.06, 0.8, 0.40
+    s.observe_prefill(200, 30.0, waited=0.0)  # the first prefill (a cold model): not taken
+    return s
+
+
+def test_a_draft_prefill_hidden_by_the_network_is_not_charged() -> None:
+    s = _wan_stats()
+    s.observe_prefill(200, 4.0, waited=0.0)  # 20 ms a token, all of it while the target prefilled
+    assert s.prefill_cost(200) == pytest.approx(4.0)  # the target's prefill not timed: all of it
+    assert not s.draft_pays(200, 16)
+    for _ in range(3):  # the first timing is not taken (a cold pipeline)
+        s.observe_target_prefill(200, 6.0, beside_draft=False)
+    assert s.prefill_cost(200) == pytest.approx(4.0)  # not yet timed beside the draft
+    s.observe_target_prefill(200, 6.0, beside_draft=True)  # no slower with the draft beside it
+    assert s.prefill_cost(200) == pytest.approx(0.0)
+    assert s.draft_pays(200, 16)  # nothing to repay: even a short request speculates
+    s.observe_prefill(200, 4.0, waited=0.5)  # a request that waited for the draft
+    assert 0.0 < s.prefill_cost(200) < 0.5
+
+
+def test_a_draft_prefill_that_slows_the_target_is_charged() -> None:
+    s = _wan_stats()
+    s.observe_prefill(200, 4.0, waited=0.0)
+    for beside, seconds in ((False, 6.0), (False, 6.0), (True, 10.0)):
+        s.observe_target_prefill(200, seconds, beside_draft=beside)
+    assert s.prefill_cost(200) == pytest.approx(4.0)  # the target ran 4 s slower beside the draft
+    assert not s.draft_pays(200, 16)
+    assert s.draft_pays(200, 64)
 
 
 def test_a_cold_draft_models_first_timing_is_not_taken() -> None:
