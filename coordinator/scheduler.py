@@ -21,7 +21,8 @@ from coordinator.speculative import DraftHandle, SpecConfig, Speculator
 
 log = logging.getLogger(__name__)
 PREFILL_CHUNK = 1024  # the most prompt tokens one frame carries
-PREFILL_MIN_CHUNK = 128  # smaller pieces ran slower than they overlap (64: 1.02x against 1.20x at 128)
+PREFILL_MIN_CHUNK = 128  # more pieces than stages only this long (64: 1.02x against 1.20x at 128)
+PREFILL_MIN_PIECE = 16  # a short prompt: one piece a stage, down to this (48 tokens: 1.12x)
 PREFILL_PIECES_PER_STAGE = 2
 MAX_STOP = 64  # stop ids the ring itself checks (the coordinator checks them all)
 MAX_RECOVERIES = 3  # re-plans one request rides through before it gives up
@@ -47,6 +48,7 @@ def prefill_chunks(
     max_chunk: int = PREFILL_CHUNK,
     min_chunk: int = PREFILL_MIN_CHUNK,
     per_stage: int = PREFILL_PIECES_PER_STAGE,
+    min_piece: int = PREFILL_MIN_PIECE,
 ) -> list[int]:
     """How many prompt tokens each prefill frame carries, in order (they sum to ``n``).
 
@@ -55,13 +57,17 @@ def prefill_chunks(
     the first token comes about when the slowest stage has seen the whole prompt, not after
     every stage in turn. So cut a prompt into ``per_stage`` pieces a stage (0: no cutting),
     none under ``min_chunk`` tokens (a small piece runs slower per token; the last stage also turns
-    each piece's last position into a token) nor over ``max_chunk``. One stage: only the cap.
+    each piece's last position into a token) nor over ``max_chunk``. A prompt too short for
+    a piece a stage of ``min_chunk`` still gets one a stage, of ``min_piece`` tokens at least
+    (measured on 2 stages: 48 tokens in 2 pieces 1.12x faster than one frame, 200 in 2
+    pieces 1.17x, but 200 in 4 pieces 0.94x). One stage: only the cap.
     """
     if n <= 0:
         return []
     pieces = -(-n // max_chunk)
-    if stages > 1:
-        pieces = max(pieces, min(per_stage * stages, n // min_chunk))
+    if stages > 1 and per_stage > 0:
+        many = min(per_stage * stages, n // min_chunk)
+        pieces = max(pieces, many if many >= stages else min(stages, n // min_piece))
     base, extra = divmod(n, pieces)
     return [base + (1 if i < extra else 0) for i in range(pieces)]
 

@@ -12,8 +12,11 @@ from coordinator.scheduler import PREFILL_CHUNK, prefill_chunks
     [
         (0, 3, []),
         (1, 1, [1]),
-        (40, 3, [40]),  # short prompts: one frame, whatever the stages
-        (255, 2, [255]),  # two pieces would be under 128 tokens each
+        (31, 3, [31]),  # a very short prompt: one frame, whatever the stages
+        (40, 3, [20, 20]),  # a short one: a piece a stage, none under 16 tokens
+        (48, 2, [24, 24]),
+        (255, 2, [128, 127]),  # more pieces than stages would be under 128 tokens each
+        (300, 3, [100] * 3),
         (256, 2, [128, 128]),
         (301, 2, [151, 150]),
         (600, 2, [150] * 4),  # two pieces a stage
