@@ -32,5 +32,6 @@ def mark(event: str, stream: str = "-", seq: int = 0) -> None:
     if _dir is None:
         return
     if _fd is None:
+        os.makedirs(_dir, exist_ok=True)
         _fd = os.open(os.path.join(_dir, f"frames-{os.getpid()}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.write(_fd, f"{time.monotonic_ns()} {event} {stream} {seq}\n".encode())
