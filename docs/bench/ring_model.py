@@ -1,0 +1,90 @@
+"""An event model of a 2-stage ring with S streams, to see what bounds ``bench pipeline``'s 2x2.
+
+    python docs/bench/ring_model.py
+
+Each stage runs one step at a time, in arrival order (as an agent's compute thread does). A
+stream's prompt goes in ``pieces`` frames, all sent at once; each later token is one decode
+step through stage 0 then stage 1, and the last stage hands the token straight back to stage 0
+(the ring loop). Times are the medians of a frame trace of the real 2x2 run on the 2-core VM
+(`pipeline_2x_c1_short_prompt_pieces.log`, `docs/bench/stage_idle.py`): prefill pieces of 24
+tokens 200 ms on stage 0 (16 layers) and 115 ms on stage 1 (8 layers and the head), decode
+steps 20.2 and 21.4 ms, and 0.9 ms a hop (what makes the traced 43.4 ms a round of both
+streams out of 41.6 ms of steps). The monolithic reference is one stream after the other:
+577 ms to the first token, then 41.2 ms a token. With those figures the model gives 1.738x
+against 1.726x measured; then it varies one thing at a time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+MONO_TTFT, MONO_STEP = 577.0, 41.2
+
+
+def ring(
+    *,
+    pre0: float = 200.0,
+    pre1: float = 115.0,
+    dec0: float = 20.2,
+    dec1: float = 21.4,
+    hop: float = 0.9,
+    pieces: int = 2,
+    tokens: int = 64,
+    streams: int = 2,
+) -> float:
+    """Wall time (ms) until every stream has ``tokens`` tokens."""
+    seq = itertools.count()
+    arrivals: list[tuple[float, int, int, tuple[int, bool, int]]] = []  # (time, order, stage, frame)
+    for s in range(streams):
+        for p in range(pieces):
+            heapq.heappush(arrivals, (0.0, next(seq), 0, (s, True, p)))
+    free = [0.0, 0.0]
+    got = [0] * streams
+    end = 0.0
+    while arrivals:
+        t, _, stage, (s, prefill, idx) = heapq.heappop(arrivals)
+        start = max(t, free[stage])
+        cost = (pre0 if prefill else dec0) if stage == 0 else (pre1 if prefill else dec1)
+        free[stage] = start + cost
+        if stage == 0:
+            heapq.heappush(arrivals, (free[0] + hop, next(seq), 1, (s, prefill, idx)))
+        elif not prefill or idx == pieces - 1:  # a token
+            got[s] += 1
+            end = max(end, free[1] + hop)
+            if got[s] < tokens:
+                heapq.heappush(arrivals, (free[1] + hop, next(seq), 0, (s, False, got[s])))
+    return end
+
+
+def ratio(**kw: float) -> float:
+    streams, tokens = int(kw.get("streams", 2)), int(kw.get("tokens", 64))
+    mono = streams * (MONO_TTFT + (tokens - 1) * MONO_STEP)
+    return mono / ring(**kw)  # type: ignore[arg-type]
+
+
+def main() -> None:
+    cases: list[tuple[str, dict[str, float]]] = [
+        ("as traced", {}),
+        ("hops free", {"hop": 0.0}),
+        ("stage 1 as fast as stage 0", {"dec1": 20.2}),
+        ("prefill split evenly (165 / 150 ms a piece)", {"pre0": 165.0, "pre1": 150.0}),
+        ("one prefill frame", {"pieces": 1, "pre0": 390.0, "pre1": 215.0}),
+        ("3 streams", {"streams": 3}),
+        ("128-token answers", {"tokens": 128}),
+    ]
+    per_layer = 20.2 / 16
+    for n0 in (17, 15):
+        d0 = n0 * per_layer
+        cases.append(
+            (
+                f"{n0}/{24 - n0} layers",
+                {"dec0": d0, "dec1": 41.6 - d0, "pre0": 200.0 * n0 / 16, "pre1": 115.0 + (16 - n0) * 200.0 / 16},
+            )
+        )
+    for name, kw in cases:
+        print(f"{name:48s} {ring(**kw):7.0f} ms  {ratio(**kw):.3f}x")  # type: ignore[arg-type]
+
+
+if __name__ == "__main__":
+    main()
