@@ -20,6 +20,7 @@ import heapq
 import itertools
 
 MONO_TTFT, MONO_STEP = 577.0, 41.2
+Frame = tuple[int, bool, int]  # stream, prefill?, piece or token index
 
 
 def ring(
@@ -32,28 +33,47 @@ def ring(
     pieces: int = 2,
     tokens: int = 64,
     streams: int = 2,
+    decode_first: bool = False,
 ) -> float:
-    """Wall time (ms) until every stream has ``tokens`` tokens."""
+    """Wall time (ms) until every stream has ``tokens`` tokens. ``decode_first``: a stage picks
+    a waiting decode step before a waiting prefill piece (else it runs frames as they came)."""
     seq = itertools.count()
-    arrivals: list[tuple[float, int, int, tuple[int, bool, int]]] = []  # (time, order, stage, frame)
+    events: list[tuple[float, int, str, int, Frame]] = []  # (time, order, kind, stage, frame)
+    waiting: list[list[tuple[float, int, Frame]]] = [[], []]
     for s in range(streams):
         for p in range(pieces):
-            heapq.heappush(arrivals, (0.0, next(seq), 0, (s, True, p)))
-    free = [0.0, 0.0]
+            heapq.heappush(events, (0.0, next(seq), "arrive", 0, (s, True, p)))
+    busy = [False, False]
     got = [0] * streams
     end = 0.0
-    while arrivals:
-        t, _, stage, (s, prefill, idx) = heapq.heappop(arrivals)
-        start = max(t, free[stage])
-        cost = (pre0 if prefill else dec0) if stage == 0 else (pre1 if prefill else dec1)
-        free[stage] = start + cost
-        if stage == 0:
-            heapq.heappush(arrivals, (free[0] + hop, next(seq), 1, (s, prefill, idx)))
-        elif not prefill or idx == pieces - 1:  # a token
-            got[s] += 1
-            end = max(end, free[1] + hop)
-            if got[s] < tokens:
-                heapq.heappush(arrivals, (free[1] + hop, next(seq), 0, (s, False, got[s])))
+
+    def start(stage: int, now: float) -> None:
+        if busy[stage] or not waiting[stage]:
+            return
+        key = (lambda w: (w[2][1], w[0], w[1])) if decode_first else (lambda w: (w[0], w[1]))
+        w = min(waiting[stage], key=key)
+        waiting[stage].remove(w)
+        frame = w[2]
+        cost = (pre0 if frame[1] else dec0) if stage == 0 else (pre1 if frame[1] else dec1)
+        busy[stage] = True
+        heapq.heappush(events, (now + cost, next(seq), "done", stage, frame))
+
+    while events:
+        now, order, kind, stage, frame = heapq.heappop(events)
+        if kind == "arrive":
+            waiting[stage].append((now, order, frame))
+        else:
+            busy[stage] = False
+            s, prefill, idx = frame
+            if stage == 0:
+                heapq.heappush(events, (now + hop, next(seq), "arrive", 1, frame))
+            elif not prefill or idx == pieces - 1:  # a token
+                got[s] += 1
+                end = max(end, now + hop)
+                if got[s] < tokens:
+                    heapq.heappush(events, (now + hop, next(seq), "arrive", 0, (s, False, got[s])))
+        start(stage, now)
+        start(1 - stage, now)
     return end
 
 
@@ -69,6 +89,7 @@ def main() -> None:
         ("hops free", {"hop": 0.0}),
         ("stage 1 as fast as stage 0", {"dec1": 20.2}),
         ("prefill split evenly (165 / 150 ms a piece)", {"pre0": 165.0, "pre1": 150.0}),
+        ("decode steps ahead of prefill pieces", {"decode_first": True}),
         ("one prefill frame", {"pieces": 1, "pre0": 390.0, "pre1": 215.0}),
         ("3 streams", {"streams": 3}),
         ("128-token answers", {"tokens": 128}),
