@@ -20,15 +20,17 @@ import heapq
 import itertools
 
 MONO_TTFT, MONO_STEP = 577.0, 41.2
+PRE0, PRE1, DEC0, DEC1 = 200.0, 115.0, 20.2, 21.4  # traced: prefill piece and decode step, ms
+LAYERS0, LAYERS = 16, 24  # stage 0's layers, all layers
 Frame = tuple[int, bool, int]  # stream, prefill?, piece or token index
 
 
 def ring(
     *,
-    pre0: float = 200.0,
-    pre1: float = 115.0,
-    dec0: float = 20.2,
-    dec1: float = 21.4,
+    pre0: float = PRE0,
+    pre1: float = PRE1,
+    dec0: float = DEC0,
+    dec1: float = DEC1,
     hop: float = 0.9,
     pieces: int = 2,
     tokens: int = 64,
@@ -87,22 +89,20 @@ def main() -> None:
     cases: list[tuple[str, dict[str, float]]] = [
         ("as traced", {}),
         ("hops free", {"hop": 0.0}),
-        ("stage 1 as fast as stage 0", {"dec1": 20.2}),
+        ("stage 1 as fast as stage 0", {"dec1": DEC0}),
         ("prefill split evenly (165 / 150 ms a piece)", {"pre0": 165.0, "pre1": 150.0}),
         ("decode steps ahead of prefill pieces", {"decode_first": True}),
         ("one prefill frame", {"pieces": 1, "pre0": 390.0, "pre1": 215.0}),
         ("3 streams", {"streams": 3}),
         ("128-token answers", {"tokens": 128}),
     ]
-    per_layer = 20.2 / 16
+    # move layers between the stages: a layer costs what stage 0's cost per layer says
+    dec_layer, pre_layer = DEC0 / LAYERS0, PRE0 / LAYERS0
     for n0 in (17, 15):
-        d0 = n0 * per_layer
-        cases.append(
-            (
-                f"{n0}/{24 - n0} layers",
-                {"dec0": d0, "dec1": 41.6 - d0, "pre0": 200.0 * n0 / 16, "pre1": 115.0 + (16 - n0) * 200.0 / 16},
-            )
-        )
+        moved = LAYERS0 - n0  # to stage 1
+        shifted = {"dec0": DEC0 - moved * dec_layer, "dec1": DEC1 + moved * dec_layer}
+        shifted |= {"pre0": PRE0 - moved * pre_layer, "pre1": PRE1 + moved * pre_layer}
+        cases.append((f"{n0}/{LAYERS - n0} layers", shifted))
     for name, kw in cases:
         print(f"{name:48s} {ring(**kw):7.0f} ms  {ratio(**kw):.3f}x")  # type: ignore[arg-type]
 
