@@ -262,6 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the draft model's threads (default: the coordinator's own cores, else a node's count)",
     )
     sp.add_argument("--link-delay-ms", type=float, default=0.0)
+    sp.add_argument(
+        "--coordinator-on",
+        choices=["apart", "first"],
+        default="apart",
+        help="the coordinator's machine: apart from the nodes (a network hop to stage 0), "
+        "or the first stage's node (as an elected agent serving stage 0: that hop is local, its cores shared)",
+    )
     sp.add_argument("--wan-mbps", type=float, default=100.0, help="line rate when --link-delay-ms is set")
     sp.add_argument("--tokens", type=_positive_int, default=96, help="tokens per prompt")
     sp.add_argument("--runs", type=_positive_int, default=3)

@@ -72,6 +72,7 @@ class Pipeline:
         term: int = 1,
         link_delay_ms: float = 0.0,
         link_mbps: float = 0.0,
+        home_first: bool = False,
         wire_dtype: str = "f16",
         exact: bool = False,
         ship_artifacts: bool = False,
@@ -83,6 +84,7 @@ class Pipeline:
         self.term = term
         self.link_delay_ms = link_delay_ms
         self.link_mbps = link_mbps
+        self.home_first = home_first  # stage 0 runs on this machine: its hop is local (no WAN emulation)
         self.wire_dtype = wire_dtype
         self.exact = exact
         self.ship_artifacts = ship_artifacts  # never offer the local path: agents download
@@ -143,7 +145,13 @@ class Pipeline:
         if self.lost is not None:  # an agent assigned earlier died while a later one was set up
             raise PipelineError(f"the agent at {self.lost} is gone", "node_lost")
         first = f"ws://{self.placements[0].node}/ws"
-        self._link = Link(first, delay_ms=self.link_delay_ms, mbps=self.link_mbps, on_frame=self.async_on_frame)
+        wan = not self.home_first
+        self._link = Link(
+            first,
+            delay_ms=self.link_delay_ms if wan else 0.0,
+            mbps=self.link_mbps if wan else 0.0,
+            on_frame=self.async_on_frame,
+        )
         await self._link.async_connect()
 
     async def _connect(self, node: str, timeout: float) -> aiohttp.ClientWebSocketResponse:

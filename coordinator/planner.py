@@ -101,6 +101,7 @@ def split_from_cuts(n_layers: int, cuts: Sequence[int]) -> list[tuple[int, int]]
 # ---- capacity-aware planning over real nodes --------------------------------------------------
 
 GIB = 1024**3
+HOME_SLACK = 0.02  # the coordinator's node goes first where that costs the bottleneck at most this
 BYTES_PER_WEIGHT = {"fp32": 4.0, "fp16": 2.0, "int8": 1.06, "int4": 0.56}  # scales and zero points included
 
 
@@ -210,7 +211,13 @@ def _split(fp: Footprint, order: Sequence[NodeOffer], speeds: Sequence[float]) -
 
 
 def plan_pipeline(
-    fp: Footprint, offers: Sequence[NodeOffer], *, streams: int = 1, hop_s: float = 0.002, gain: float = 0.05
+    fp: Footprint,
+    offers: Sequence[NodeOffer],
+    *,
+    streams: int = 1,
+    hop_s: float = 0.002,
+    gain: float = 0.05,
+    home: str | None = None,
 ) -> Plan:
     """Contiguous layer ranges over some of ``offers`` that serve ``streams`` streams fastest.
 
@@ -218,29 +225,45 @@ def plan_pipeline(
     cycle adds ``hop_s`` per hop: one stream gains nothing from extra nodes, many streams do.
     More nodes are used only when they cut that time by more than ``gain`` (or when the model
     does not fit on fewer). Raises PlanError saying what is missing when nothing fits.
+
+    ``home`` is the coordinator's own node: of splits as fast (within ``HOME_SLACK``, about the
+    noise of the nodes' speed probes), one that gives it the first stage, so that the
+    coordinator's frames reach stage 0 without a network hop (a speculative round then
+    crosses the network as often as a plain token round the ring).
     """
     usable = [o for o in offers if o.state != "paused" and o.speed > 0 and o.mem_free > 0]
     if not usable:
         raise PlanError("no node is available (all paused or unknown)")
     offered = sum(o.mem_free for o in usable)
-    usable.sort(key=lambda o: (-o.speed * (0.5 if o.state == "limited" else 1.0), -o.mem_free, o.node))
+    usable.sort(key=lambda o: (-o.speed * (0.5 if o.state == "limited" else 1.0), -o.mem_free, o.node != home, o.node))
     best: tuple[float, Plan] | None = None
     for k in range(1, min(len(usable), fp.costs.n_layers) + 1):
         chosen = usable[:k]
-        orders = itertools.permutations(chosen) if k <= 5 else iter([tuple(chosen)])
+        orders = (
+            itertools.permutations(chosen)
+            if k <= 5
+            else iter([tuple(chosen), tuple(sorted(chosen, key=lambda o: o.node != home))])
+        )
         found: Plan | None = None
-        tried: set[tuple[tuple[float, int, str], ...]] = set()
+        homed: Plan | None = None  # the best plan with the coordinator's node first
+        tried: set[tuple[tuple[float, int, str, bool], ...]] = set()
         for order in orders:
-            sig = tuple((o.speed, o.mem_free, o.state) for o in order)
+            sig = tuple((o.speed, o.mem_free, o.state, o.node == home) for o in order)
             if sig in tried:  # nodes alike: the same split
                 continue
             tried.add(sig)
             speeds = [o.speed * (0.5 if o.state == "limited" else 1.0) for o in order]
             p = _split(fp, order, speeds)
-            if p is not None and (found is None or p.bottleneck_s < found.bottleneck_s - 1e-15):
+            if p is None:
+                continue
+            if found is None or p.bottleneck_s < found.bottleneck_s - 1e-15:
                 found = p
+            if order[0].node == home and (homed is None or p.bottleneck_s < homed.bottleneck_s - 1e-15):
+                homed = p
         if found is None:
             continue
+        if homed is not None and homed.bottleneck_s <= found.bottleneck_s * (1 + HOME_SLACK):
+            found = homed
         cycle = found.cycle_s + hop_s * k  # k hops: coordinator -> stages -> back
         score = max(found.bottleneck_s, cycle / max(1, streams))
         if best is None or score < best[0] * (1 - gain):

@@ -77,7 +77,7 @@ class CoordinatorRole:
             weights = self.weights or (spec.default_weights if spec else "int4")
             members: list[Member] = self.members()
             fp = footprint(model.config(), weights, streams=self.streams)
-            self.plan = plan_pipeline(fp, [m.offer for m in members], streams=self.streams)
+            self.plan = plan_pipeline(fp, [m.offer for m in members], streams=self.streams, home=self._home(members))
             self.addresses = {m.offer.node: m.address for m in members}
             nodes = [self.addresses[n] for n in self.plan.nodes]
             log.info("plan: %s", ", ".join(f"{s.node} layers {s.start}..{s.end - 1}" for s in self.plan.stages))
@@ -97,6 +97,7 @@ class CoordinatorRole:
                 ship_artifacts=True,
                 exact=self.exact,
                 wire_dtype="f32" if self.exact else "f16",
+                home=self.my_address,
             )
             self.coordinator = Coordinator(cfg)
             await self.coordinator.async_start()
@@ -123,7 +124,7 @@ class CoordinatorRole:
             if left_only:
                 continue
             try:
-                plan = plan_pipeline(fp, [m.offer for m in members], streams=self.streams)
+                plan = plan_pipeline(fp, [m.offer for m in members], streams=self.streams, home=self._home(members))
             except PlanError as e:
                 log.warning("membership changed but no plan fits: %s", e)
                 continue
@@ -136,6 +137,10 @@ class CoordinatorRole:
                 [self.addresses[n] for n in plan.nodes], [s.start for s in plan.stages[1:]]
             )
             self.plan, self.state = plan, "serving"
+
+    def _home(self, members: list[Member]) -> str | None:
+        """This machine's node id, when its agent is among the members."""
+        return next((m.offer.node for m in members if m.address == self.my_address), None)
 
     def status(self) -> dict[str, Any]:
         c = self.coordinator

@@ -67,6 +67,9 @@ class ServeConfig:
     failover: bool = True  # re-plan over the surviving agents when one is lost, and resume
     ring_loop: bool = True  # plain decoding: the last stage feeds stage 0 itself (Fwd.auto)
     rebalance: bool = False  # re-plan once from measured stage times (see async_rebalance)
+    # this machine's own agent (host:port), where it serves a stage: when that is the first
+    # stage, the coordinator reaches it without crossing the network (no emulated WAN delay)
+    home: str | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -206,6 +209,7 @@ class Coordinator:
             term=self.term,
             link_delay_ms=cfg.link_delay_ms,
             link_mbps=cfg.link_mbps,
+            home_first=cfg.home is not None and nodes[0] == cfg.home,
             wire_dtype=cfg.wire_dtype,
             exact=cfg.exact,
             ship_artifacts=cfg.ship_artifacts,

@@ -132,6 +132,34 @@ def test_plan_pipeline(offers: list[NodeOffer], streams: int, nodes: list[str], 
     assert plan.ranges[0][0] == 0 and plan.ranges[-1][1] == 10
 
 
+@pytest.mark.parametrize(
+    ("offers", "streams", "home", "nodes", "ranges"),
+    [
+        # nodes alike: the coordinator's own node takes the first stage (its hop is local)
+        ([_o("a", 8), _o("b", 8), _o("c", 8)], 8, "c", ["c", "a", "b"], [(0, 4), (4, 8), (8, 10)]),
+        ([_o("a", 8), _o("b", 8)], 8, "b", ["b", "a"], [(0, 6), (6, 10)]),
+        # speeds measured 1% apart are alike: probes differ by that much on twin laptops
+        ([_o("a", 8, 101.0), _o("b", 8, 100.0)], 8, "b", ["b", "a"], [(0, 6), (6, 10)]),
+        # one node is enough: of nodes alike, the coordinator's own
+        ([_o("a", 8), _o("b", 8), _o("c", 8)], 1, "b", ["b"], [(0, 10)]),
+        # a slower home node first, where that is as fast (90 ms a token either way)
+        ([_o("slow", 8, 50.0), _o("fast", 8, 100.0)], 8, "slow", ["slow", "fast"], [(0, 4), (4, 10)]),
+        # never at the cost of speed: the fast home node keeps the lm_head's stage
+        ([_o("x", 8, 25.0), _o("y", 8, 25.0), _o("z", 8, 50.0)], 8, "z", ["x", "y", "z"], [(0, 3), (3, 6), (6, 10)]),
+        # nor of memory: the 0.5 GB home node cannot hold stage 0's embeddings
+        ([_o("fast", 0.5, 400.0), _o("big", 8, 100.0)], 8, "fast", ["big", "fast"], [(0, 9), (9, 10)]),
+        # a coordinator that serves no stage changes nothing
+        ([_o("a", 8), _o("b", 8)], 8, "elsewhere", ["a", "b"], [(0, 6), (6, 10)]),
+    ],
+)
+def test_plan_puts_the_coordinators_node_first(
+    offers: list[NodeOffer], streams: int, home: str, nodes: list[str], ranges: list[tuple[int, int]]
+) -> None:
+    plan = plan_pipeline(FP, offers, streams=streams, hop_s=0.001, home=home)
+    assert plan.nodes == nodes
+    assert plan.ranges == ranges
+
+
 def test_plan_declines_and_says_what_is_missing() -> None:
     with pytest.raises(PlanError, match=r"needs 1\.5 GB, cluster offers 0\.8 GB over 2 node\(s\)"):
         plan_pipeline(FP, [_o("a", 0.4), _o("b", 0.4), _o("p", 64, state="paused")])

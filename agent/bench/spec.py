@@ -285,6 +285,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "streams": s,
         "cores_per_node": c,
         "link_delay_ms": args.link_delay_ms,
+        "coordinator_on": args.coordinator_on,
         "tokens": args.tokens,
         "repeats": args.runs,
     }
@@ -294,7 +295,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     os.sched_setaffinity(0, avail)
 
     with LocalCluster(n, cores=node_cores, threads=c, device="CPU") as cluster:
-        if spare:  # the coordinator (and its draft) get cores of their own where there are any
+        home = args.coordinator_on == "first"
+        if home:  # the coordinator shares the first stage's machine: its cores (and any spare ones)
+            os.sched_setaffinity(0, node_cores[0] + spare)
+        elif spare:  # the coordinator (and its draft) get cores of their own where there are any
             os.sched_setaffinity(0, spare)
         cfg = ServeConfig(
             nodes=cluster.nodes,
@@ -308,6 +312,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             draft=args.draft,
             draft_weights=args.draft_weights,
             draft_threads=draft_threads,
+            home=cluster.nodes[0] if home else None,
         )
         depths = parse_depths(args.depth)
         confs = parse_confidences(args.confidence)
