@@ -240,6 +240,15 @@ async def _measure(
             }
             if learned.plain_s is not None:  # a plain token round the ring (K=auto's plain stretches)
                 res["policy"]["ring_ms"] = round(1000 * learned.plain_s, 2)
+        # per prompt token: the target's prefill alone and beside the draft's, and the draft's own
+        per_tok = {
+            "target_prefill_ms_tok": spec.stats.target_prefill_s[False],
+            "target_prefill_beside_draft_ms_tok": spec.stats.target_prefill_s[True],
+            "draft_prefill_ms_tok": spec.stats.prefill_s,
+        }
+        for key, v in per_tok.items():
+            if v is not None:
+                res.setdefault("policy", {})[key] = round(1000 * v, 3)
         return res
     finally:
         await coord.async_stop()
