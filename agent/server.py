@@ -20,7 +20,7 @@ from aiohttp import web
 
 from agent import frametrace
 from agent.link import HEARTBEAT_S, Link
-from agent.protocol import MAX_FRAME, Assign, Close, Error, Fwd, Message, ProtocolError, decode, encode
+from agent.protocol import MAX_FRAME, Assign, Close, Error, Fwd, Message, Passed, ProtocolError, decode, encode
 from agent.stage_host import Output, StageHost
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,8 @@ class AgentRuntime:
             self.pending -= 1
             frametrace.mark("done", fwd.stream, fwd.seq)
             if exc is None and res is not None:
+                if fwd.ack and reply is not None:  # the sender waits to hear it has passed stage 0
+                    self.spawn(self._tell(reply, Passed(term=fwd.term, stream=fwd.stream, seq=fwd.seq)))
                 frame, follow, follow_payload, follow_frame = res
                 if follow is not None:  # the ring's next step first: stage 0 waits for it
                     self._continue(follow, follow_payload, follow_frame)
@@ -134,6 +136,11 @@ class AgentRuntime:
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
         return t
+
+    async def _tell(self, ws: web.WebSocketResponse, msg: Passed) -> None:
+        if not ws.closed:
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await ws.send_bytes(encode(msg))
 
     async def report(self, e: ProtocolError, reply: web.WebSocketResponse | None) -> None:
         # a step the ring was still running when its stream ended: nobody waits for it

@@ -188,7 +188,7 @@ class StageHost:
             assert out.hidden is not None
             wire = a.wire_dtype
             h = out.hidden.astype(np.float16) if wire == "f16" else out.hidden
-            nxt = replace(fwd, dtype=wire, busy_ms=busy_ms)
+            nxt = replace(fwd, dtype=wire, busy_ms=busy_ms, ack=False)  # the sender heard from stage 0
             return Output(nxt, h.tobytes())
         assert out.token_ids is not None and out.logits is not None
         if fwd.ret_logits:

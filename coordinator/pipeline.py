@@ -33,6 +33,7 @@ from agent.protocol import (
     Error,
     Fwd,
     Ids,
+    Passed,
     ProtocolError,
     SamplingSpec,
     decode,
@@ -92,6 +93,7 @@ class Pipeline:
         self._control: list[aiohttp.ClientWebSocketResponse] = []
         self._link: Link | None = None
         self._pending: dict[tuple[str, int], asyncio.Future[tuple[int, ...]]] = {}
+        self._passed: dict[tuple[str, int], asyncio.Future[None]] = {}  # steps stage 0 is to confirm
         # per stream: the bottleneck stage's compute time of its latest step, in seconds
         self.busy_s: dict[str, float] = {}
         self._queues: dict[str, asyncio.Queue[tuple[int, ...] | PipelineError]] = {}
@@ -214,8 +216,12 @@ class Pipeline:
         logits: Sequence[int] = (),
         sampling: SamplingSpec | None = None,
         ret_logits: bool = False,
+        passed: asyncio.Future[None] | None = None,
     ) -> asyncio.Future[tuple[int, ...]]:
         """Send one step of ``stream`` into the ring now; the future gets the last stage's tokens.
+
+        ``passed`` (optional) is resolved once stage 0 has computed the step (it is asked to say
+        so), or else when the step's result or error comes back, whichever is first.
 
         ``ret_logits`` asks the last stage for logits instead of ids (the naive design, for
         the WAN comparison); the coordinator then picks the greedy tokens itself. The frame is
@@ -238,9 +244,13 @@ class Pipeline:
             logits=tuple(logits),
             sampling=sampling or SamplingSpec(),
             ret_logits=ret_logits,
+            ack=passed is not None,
         )
         self._pending[key] = fut
         fut.add_done_callback(lambda _: self._pending.pop(key, None))
+        if passed is not None:
+            self._passed[key] = passed
+            fut.add_done_callback(lambda _: _resolve(self._passed.pop(key, None)))
         return fut
 
     async def async_run(
@@ -322,7 +332,9 @@ class Pipeline:
         except ProtocolError as e:
             log.warning("bad frame on the return path: %s", e)
             return
-        if isinstance(msg, Ids):
+        if isinstance(msg, Passed):
+            _resolve(self._passed.pop((msg.stream, msg.seq), None))
+        elif isinstance(msg, Ids):
             fut = self._pending.get((msg.stream, msg.seq))
             if fut is not None:  # a step sent with send_step (maybe ahead of a ring run)
                 if not fut.done():
@@ -359,3 +371,8 @@ class Pipeline:
                 await ws.close()
         if self._session is not None:
             await self._session.close()
+
+
+def _resolve(fut: asyncio.Future[None] | None) -> None:
+    if fut is not None and not fut.done():
+        fut.set_result(None)

@@ -160,7 +160,11 @@ class Scheduler:
     async def _generate_once(self, pipeline: Pipeline, req: GenRequest) -> AsyncGenerator[int, None]:
         stream = pipeline.new_stream()
         spec = self.speculator if req.ids_only and req.spec_k != 0 else None
-        draft = spec.open_session(req.prompt, req.spec_k, req.max_tokens) if spec is not None else None
+        draft = (
+            spec.open_session(req.prompt, req.spec_k, req.max_tokens, defer=pipeline.home_first)
+            if spec is not None
+            else None
+        )
         if draft is None:  # plain throughout: a request the draft's prefill would not pay for
             spec = None
         try:
@@ -169,9 +173,15 @@ class Scheduler:
                     yield tok
                 return
             t0 = time.perf_counter()
-            toks = await self._prefill(pipeline, stream, req)
+            passed: asyncio.Future[None] | None = None
+            if spec is not None and draft is not None and draft.deferred is not None:
+                # the draft shares stage 0's cores: it prefills once stage 0 has the whole prompt
+                passed = asyncio.get_running_loop().create_future()
+                passed.add_done_callback(lambda _: spec.start_prefill(draft))
+            toks = await self._prefill(pipeline, stream, req, passed)
             self._observe_prefill(req, time.perf_counter() - t0, draft)
             if spec is not None and draft is not None:
+                spec.start_prefill(draft)  # (already started: nothing)
                 gen = spec.async_decode(
                     stream,
                     draft,
@@ -248,11 +258,21 @@ class Scheduler:
             beside = draft is not None and draft.ready is not None
             self.speculator.stats.observe_target_prefill(len(req.prompt), seconds, beside)
 
-    async def _prefill(self, pipeline: Pipeline, stream: str, req: GenRequest) -> tuple[int, ...]:
-        """Send the prompt's pieces all at once (see :func:`prefill_chunks`); the last one's tokens."""
+    async def _prefill(
+        self, pipeline: Pipeline, stream: str, req: GenRequest, passed: asyncio.Future[None] | None = None
+    ) -> tuple[int, ...]:
+        """Send the prompt's pieces all at once (see :func:`prefill_chunks`); the last one's tokens.
+        ``passed``: resolved once stage 0 has computed the last piece."""
         chunks = self._pieces(pipeline, req.prompt)
         futs = [
-            pipeline.send_step(stream, c, start=i == 0, sampling=req.sampling, ret_logits=not req.ids_only)
+            pipeline.send_step(
+                stream,
+                c,
+                start=i == 0,
+                sampling=req.sampling,
+                ret_logits=not req.ids_only,
+                passed=passed if i == len(chunks) - 1 else None,
+            )
             for i, c in enumerate(chunks)
         ]
         return await _settle(futs)

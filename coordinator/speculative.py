@@ -43,6 +43,7 @@ class SpecConfig:
 class DraftHandle:
     session: DraftSession
     ready: Future[float] | None  # the draft's prefill of the prompt (its seconds), if it has one
+    deferred: list[int] | None = None  # a prompt whose prefill waits for :meth:`Speculator.start_prefill`
 
 
 @dataclass
@@ -120,14 +121,21 @@ class Speculator:
         return k_override is None and self.cfg.k is None
 
     def open_session(
-        self, prompt: Sequence[int], k_override: int | None = None, max_tokens: int | None = None
+        self,
+        prompt: Sequence[int],
+        k_override: int | None = None,
+        max_tokens: int | None = None,
+        *,
+        defer: bool = False,
     ) -> DraftHandle | None:
         """A draft session for a new stream, or None where the stream had better decode plain
         throughout (round the ring): the policy speculates, but this request is too short to
         repay the draft model's prefill of its prompt. The prefill starts now, beside the
         target's, where the stream will speculate from its first rounds (a fixed K, or the
         policy speculating or still unsure); else the draft catches up on the context if a
-        probe ever needs it."""
+        probe ever needs it. ``defer``: the draft shares stage 0's cores, so its prefill waits
+        for :meth:`start_prefill` (once stage 0 is done with the prompt) rather than slow
+        stage 0's down."""
         session = self.cfg.drafter.session()
         prefill = getattr(session, "prefill", None)
         auto = self._auto(k_override)
@@ -137,8 +145,18 @@ class Speculator:
             self.counters.declined += 1
             return None
         eager = not auto or self.stats.step_s is None or speculating
-        ready = self._pool.submit(_timed, prefill, list(prompt)) if prefill is not None and eager else None
-        return DraftHandle(session, ready)
+        if prefill is None or not eager:
+            return DraftHandle(session, None)
+        if defer:
+            return DraftHandle(session, None, list(prompt))
+        return DraftHandle(session, self._pool.submit(_timed, prefill, list(prompt)))
+
+    def start_prefill(self, handle: DraftHandle) -> None:
+        """Start a deferred prefill of the draft (at most once)."""
+        prefill = getattr(handle.session, "prefill", None)
+        if handle.deferred is not None and handle.ready is None and prefill is not None:
+            handle.ready = self._pool.submit(_timed, prefill, handle.deferred)
+        handle.deferred = None
 
     def depth(self) -> int:
         """Verify frames a stream keeps in flight: 2 (draft ahead while one travels) once a

@@ -14,6 +14,7 @@ from agent.protocol import (
     Error,
     Fwd,
     Ids,
+    Passed,
     ProtocolError,
     SamplingSpec,
     decode,
@@ -41,12 +42,14 @@ def test_messages_round_trip() -> None:
         sampling=SamplingSpec(0.7, 0.9, 42),
         sent_at=12.5,
         busy_ms=31.5,
+        ack=True,
     )
     msg, payload = decode(encode(fwd, ids))
     assert msg == fwd
     assert np.array_equal(tensor(msg, payload, 0), ids)  # type: ignore[arg-type]
     for m in (
         Ids(term=1, stream="a", seq=2, tokens=(5, 6), busy_ms=12.25),
+        Passed(term=1, stream="a", seq=4),
         Close(term=1, stream="a"),
         Error(code="bad_input", message="no", stream="a", seq=3, stage=1),
         Assign(
@@ -103,6 +106,8 @@ GOOD = {"t": "fwd", "term": 1, "stream": "s", "seq": 0, "n": 1, "dtype": "i32"}
         (_frame({**GOOD, "logits": [5]}), "bad_field"),
         (_frame({**GOOD, "sampling": [-1.0, 1.0, 0]}), "bad_field"),
         (_frame({**GOOD, "start": "yes"}), "bad_field"),
+        (_frame({**GOOD, "ack": 1}), "bad_field"),
+        (_frame({"t": "passed", "term": 1, "stream": "s"}), "bad_field"),  # no seq
         (_frame({**GOOD, "rollback": 1 << 40}), "bad_field"),
         (_frame({**GOOD, "busy_ms": -5.0}), "bad_field"),
         (_frame({**GOOD, "busy_ms": "slow"}), "bad_field"),

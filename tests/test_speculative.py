@@ -141,6 +141,70 @@ def test_drafting_ahead_equals_plain(cluster, smollm2, prompts) -> None:  # type
     report(f"drafting ahead (depth 2) == plain, 3 stages, K in {ks}: acceptance {counters.acceptance:.2f}")
 
 
+def test_a_home_coordinator_prefills_the_draft_once_stage_0_has_the_prompt(cluster, smollm2, prompts) -> None:  # type: ignore[no-untyped-def]
+    """The coordinator shares stage 0's machine (``home``): its draft prefills the prompt once
+    stage 0 says it has computed it (so the two never share the cores), not when the target's
+    first token is back two 300 ms hops later, nor beside stage 0. Output stays plain's."""
+    jobs = [(p, _sampling(i, sampled), 0) for sampled in (False, True) for i, p in enumerate(prompts[:2])]
+    plain, _ = _run(smollm2, cluster.nodes[:2], jobs)
+    cfg = exact_config(
+        smollm2,
+        cluster.nodes[:2],
+        next(_terms),
+        draft="smollm2-135m",
+        draft_weights="int4",
+        link_delay_ms=300.0,
+        home=cluster.nodes[0],
+    )
+    lead: list[float] = []  # per request: how long before its first token the draft's prefill began
+
+    async def main() -> list[list[int]]:
+        coord = Coordinator(cfg)
+        await coord.async_start()
+        try:
+            sched = coord.scheduler
+            assert sched is not None and sched.speculator is not None and coord.pipeline is not None
+            assert coord.pipeline.home_first
+            spec = sched.speculator
+            loop = asyncio.get_running_loop()
+            began: dict[int, float] = {}
+            start = spec.start_prefill
+
+            def timed_start(handle: Any) -> None:
+                if handle.deferred is not None:
+                    began[id(handle)] = loop.time()
+                start(handle)
+
+            spec.start_prefill = timed_start  # type: ignore[method-assign]
+            opened = spec.open_session
+
+            def open_session(*a: Any, **kw: Any) -> Any:
+                h = opened(*a, **kw)
+                assert kw.get("defer") and h is not None and h.ready is None  # nothing beside stage 0
+                handles.append(h)
+                return h
+
+            spec.open_session = open_session  # type: ignore[method-assign]
+            out = []
+            for p, s, _ in jobs:  # one at a time: each request's own timing
+                handles: list[Any] = []
+                req = GenRequest(prompt=p, max_tokens=TOKENS, sampling=s, spec_k=3)
+                toks, first_at = [], 0.0
+                async for t in sched.async_generate(req):
+                    first_at = first_at or loop.time()
+                    toks.append(t)
+                lead.append(first_at - began[id(handles[0])])
+                out.append(toks)
+            return out
+        finally:
+            await coord.async_stop()
+
+    got = aio.run(main())
+    assert got == plain
+    assert min(lead) > 0.4, lead  # stage 0's word came about two hops (600 ms) before the token
+    report(f"draft prefilled once stage 0 had the prompt: {min(lead):.2f}-{max(lead):.2f} s before the first token")
+
+
 def test_concurrent_speculative_streams_equal_their_solo_plain_runs(cluster, smollm2, prompts) -> None:  # type: ignore[no-untyped-def]
     cases = [
         (prompts[0], SamplingSpec(), 3),

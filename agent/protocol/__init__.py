@@ -1,7 +1,7 @@
 """Every wire and control message, typed and frozen, in one package, with the frame codec.
 
 ``codec``: the frame format, field checks and the type registry; ``data``: the ring's
-messages (fwd, ids, close, error, assign); ``control``: agent-to-agent beats and votes.
+messages (fwd, ids, passed, close, error, assign); ``control``: agent-to-agent beats and votes.
 """
 
 from agent.protocol.codec import (
@@ -18,7 +18,7 @@ from agent.protocol.codec import (
     encode,
 )
 from agent.protocol.control import Ack, Beat, Vote, VoteRequest
-from agent.protocol.data import Assign, Assigned, Close, Error, Fwd, Ids, SamplingSpec, tensor
+from agent.protocol.data import Assign, Assigned, Close, Error, Fwd, Ids, Passed, SamplingSpec, tensor
 
 __all__ = [
     "DTYPES",
@@ -37,6 +37,7 @@ __all__ = [
     "Fwd",
     "Ids",
     "Message",
+    "Passed",
     "ProtocolError",
     "SamplingSpec",
     "Vote",

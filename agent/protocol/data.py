@@ -52,6 +52,10 @@ class Fwd(Message):
     times or until it produces one of the ``stop`` ids, while it still reports every token to
     the coordinator. The coordinator leaves the per-token critical path; it ends such a stream
     early by closing it.
+
+    ``ack`` asks stage 0 to tell the sender (:class:`Passed`) once it has computed the frame:
+    a coordinator that shares stage 0's machine starts its draft's prefill of the prompt then,
+    not beside stage 0's.
     """
 
     TYPE: ClassVar[str] = "fwd"
@@ -69,6 +73,7 @@ class Fwd(Message):
     auto: int = 0
     stop: tuple[int, ...] = ()
     busy_ms: float = 0.0  # the longest any stage so far computed this frame (the ring's bottleneck)
+    ack: bool = False
 
     def header(self) -> dict[str, Any]:
         d = super().header()
@@ -91,8 +96,9 @@ class Fwd(Message):
                 raise ProtocolError("bad_field", f"logits positions must lie in 0..{n - 1}")
             start = h.get("start", False)
             ret_logits = h.get("ret_logits", False)
-            if not isinstance(start, bool) or not isinstance(ret_logits, bool):
-                raise ProtocolError("bad_field", "start and ret_logits must be true or false")
+            ack = h.get("ack", False)
+            if not all(isinstance(b, bool) for b in (start, ret_logits, ack)):
+                raise ProtocolError("bad_field", "start, ret_logits and ack must be true or false")
             return Fwd(
                 term=int_field(h.get("term"), "term"),
                 stream=stream,
@@ -108,6 +114,7 @@ class Fwd(Message):
                 auto=int_field(h.get("auto", 0), "auto", 0, 1 << 20),
                 stop=int_list_field(h.get("stop", []), "stop", 64),
                 busy_ms=float_field(h.get("busy_ms", 0.0), "busy_ms", 0.0, 1e7),
+                ack=ack,
             )
         except ProtocolError as e:
             e.stream, e.seq = stream, seq
@@ -148,6 +155,24 @@ class Ids(Message):
             rows=int_field(h.get("rows", 0), "rows", 0, MAX_TOKENS_PER_FRAME),
             vocab=int_field(h.get("vocab", 0), "vocab", 0, 1 << 24),
             busy_ms=float_field(h.get("busy_ms", 0.0), "busy_ms", 0.0, 1e7),
+        )
+
+
+@dataclass(frozen=True)
+class Passed(Message):
+    """Stage 0 -> the frame's sender: it has computed the ``Fwd`` asked with ``ack``."""
+
+    TYPE: ClassVar[str] = "passed"
+    term: int
+    stream: str
+    seq: int
+
+    @classmethod
+    def parse(cls, h: dict[str, Any]) -> Passed:
+        return Passed(
+            term=int_field(h.get("term"), "term"),
+            stream=str_field(h.get("stream"), "stream", 128),
+            seq=int_field(h.get("seq"), "seq"),
         )
 
 
@@ -249,7 +274,7 @@ class Assigned(Message):
         )
 
 
-register(Fwd, Ids, Close, Error, Assign, Assigned)
+register(Fwd, Ids, Passed, Close, Error, Assign, Assigned)
 
 
 def tensor(fwd: Fwd, payload: memoryview, width: int) -> np.ndarray:
