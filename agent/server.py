@@ -137,7 +137,8 @@ class AgentRuntime:
         t.add_done_callback(self._tasks.discard)
         return t
 
-    async def _tell(self, ws: web.WebSocketResponse, msg: Passed) -> None:
+    async def _tell(self, ws: web.WebSocketResponse, msg: Message) -> None:
+        """Answer the frame's sender on its own connection (unless it has gone)."""
         if not ws.closed:
             with contextlib.suppress(ConnectionError, RuntimeError):
                 await ws.send_bytes(encode(msg))
@@ -152,10 +153,8 @@ class AgentRuntime:
         else:
             self.host.errors += 1
             log.info("refused a frame: %s", err)
-        frame = encode(err)
-        if reply is not None and not reply.closed:
-            with contextlib.suppress(ConnectionError, RuntimeError):
-                await reply.send_bytes(frame)
+        if reply is not None:
+            await self._tell(reply, err)
         if e.stream is not None and self.host.assignment is not None and e.code not in FENCED and not ended:
             # the stream's request has failed: free it here and tell the rest of the ring
             self.submit_end(err)

@@ -181,7 +181,9 @@ class Scheduler:
             toks = await self._prefill(pipeline, stream, req, passed)
             self._observe_prefill(req, time.perf_counter() - t0, draft)
             if spec is not None and draft is not None:
-                spec.start_prefill(draft)  # (already started: nothing)
+                # the prefill's result also resolves ``passed``, but its callback may not have run
+                # yet: make sure the deferred prefill is under way (a no-op once it is)
+                spec.start_prefill(draft)
                 gen = spec.async_decode(
                     stream,
                     draft,
