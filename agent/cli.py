@@ -206,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="plain decoding with the last stage feeding stage 0 itself (on), through the coordinator (off)",
     )
     pl.add_argument("--rebalance", action="store_true", help="time the stages first and re-split by what they measured")
+    pl.add_argument(
+        "--spin-ms", default="50", help="the agents' --spin-ms, one cluster each, e.g. 50,0 (an A/B in one run)"
+    )
     pl.add_argument("--json", action="store_true")
     pf = bsub.add_parser("prefill", help="time to first token of a long prompt: pieces vs one frame vs one node")
     pf.add_argument("--model", default="smollm2-135m")

@@ -36,9 +36,11 @@ class LocalCluster:
         env: dict[str, str] | None = None,
         log_dir: Path | None = None,
         elect: Sequence[str] | None = None,
+        agent_args: Sequence[str] = (),
     ) -> None:
         """``elect``: run full agents (election, no multicast, loopback peers) with these extra
-        arguments, instead of standalone stage servers driven by a ``serve`` coordinator."""
+        arguments, instead of standalone stage servers driven by a ``serve`` coordinator.
+        ``agent_args``: more ``lakeshard agent`` arguments for every agent (e.g. ``--spin-ms 0``)."""
         if cores is not None and len(cores) != n:
             raise ValueError("one core set per agent")
         self.n = n
@@ -51,6 +53,7 @@ class LocalCluster:
         self.api_ports: list[int] = []
         self.procs: list[subprocess.Popen[bytes]] = []
         self.elect = elect
+        self.agent_args = list(agent_args)
         self._homes: tempfile.TemporaryDirectory[str] | None = None
 
     @property
@@ -74,6 +77,7 @@ class LocalCluster:
                 cmd += ["--threads", str(threads)]
             if self.device:
                 cmd += ["--device", self.device]
+            cmd += self.agent_args
             if self.cores is not None:
                 cmd = ["taskset", "-c", ",".join(map(str, self.cores[i])), *cmd]
             out = open(self.log_dir / f"agent{i}.log", "wb") if self.log_dir else subprocess.DEVNULL  # noqa: SIM115

@@ -214,6 +214,8 @@ def prepare(args: argparse.Namespace) -> Setup:
     weights = args.weights or (spec.default_weights if spec else "int4")
     opts = ExportOptions(weights=weights)
     stages, c = _ints(args.stages), args.cores_per_node
+    if any(x < 0 for x in _floats(args.spin_ms)):
+        raise BenchError("--spin-ms: no negative values")
     avail = sorted(os.sched_getaffinity(0))
     if max(stages) * c > len(avail):
         raise BenchError(f"{max(stages)} nodes x {c} cores need {max(stages) * c} cores; this machine has {len(avail)}")
@@ -254,9 +256,11 @@ def _rows(
     together = _together(monos, args.tokens, args.runs) if len(monos) > 1 else None
     rows: list[dict[str, Any]] = []
     term = 0
-    for s in stages:
+    spins = _floats(args.spin_ms)
+    for s, spin in [(s, spin) for s in stages for spin in spins]:
         # CPU on every node, like the monolithic run: the comparison is of cores, not devices
-        with LocalCluster(s, cores=node_cores[:s], threads=c, device="CPU") as cluster:
+        spin_args = ["--spin-ms", f"{spin:g}"]
+        with LocalCluster(s, cores=node_cores[:s], threads=c, device="CPU", agent_args=spin_args) as cluster:
             for delay in delays:
                 loops = {"on": [True], "off": [False], "both": [False, True]}[args.ring_loop]
                 variants = [(k, True, lp) for k in streams for lp in loops]
@@ -287,6 +291,7 @@ def _rows(
                         "link_mbps": mbps,
                         "ids_only": ids_only,
                         "ring_loop": ring_loop,
+                        "spin_ms": spin,
                         "split": res.split,
                         "tok_s": round(statistics.median(res.tok_s), 2),
                         "mono_tok_s": round(statistics.median(res.mono_tok_s), 2),
@@ -295,7 +300,8 @@ def _rows(
                     rows.append(row)
                     _say(
                         f"{s} stages x {k} streams, {delay:g} ms/hop{'' if ids_only else ' (logits back)'}"
-                        f"{', ring loop' if ring_loop else ''}: {row['tok_s']:.2f} tok/s, {row['ratio']:.3f}x "
+                        f"{', ring loop' if ring_loop else ''}{f', spin {spin:g} ms' if len(spins) > 1 else ''}: "
+                        f"{row['tok_s']:.2f} tok/s, {row['ratio']:.3f}x "
                         f"(pipeline runs {[round(x, 2) for x in res.tok_s]}, "
                         f"monolithic after each {[round(x, 2) for x in res.mono_tok_s]})"
                     )
