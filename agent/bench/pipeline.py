@@ -214,8 +214,6 @@ def prepare(args: argparse.Namespace) -> Setup:
     weights = args.weights or (spec.default_weights if spec else "int4")
     opts = ExportOptions(weights=weights)
     stages, c = _ints(args.stages), args.cores_per_node
-    if any(x < 0 for x in _floats(args.spin_ms)):
-        raise BenchError("--spin-ms: no negative values")
     avail = sorted(os.sched_getaffinity(0))
     if max(stages) * c > len(avail):
         raise BenchError(f"{max(stages)} nodes x {c} cores need {max(stages) * c} cores; this machine has {len(avail)}")
@@ -231,6 +229,8 @@ def prepare(args: argparse.Namespace) -> Setup:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if any(x < 0 for x in _floats(args.spin_ms)):
+        raise BenchError("--spin-ms: no negative values")
     setup = prepare(args)
     model, weights, opts, node_cores = setup.model, setup.weights, setup.opts, setup.node_cores
     prompt = _prompt(model, setup.whole_dir, args.prompt_tokens)
