@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -257,7 +258,7 @@ def _rows(
     rows: list[dict[str, Any]] = []
     term = 0
     spins = _floats(args.spin_ms)
-    for s, spin in [(s, spin) for s in stages for spin in spins]:
+    for s, spin in itertools.product(stages, spins):
         # CPU on every node, like the monolithic run: the comparison is of cores, not devices
         spin_args = ["--spin-ms", f"{spin:g}"]
         with LocalCluster(s, cores=node_cores[:s], threads=c, device="CPU", agent_args=spin_args) as cluster:

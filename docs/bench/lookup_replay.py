@@ -58,16 +58,23 @@ def oracle(items: list[tuple[list[int], list[int]]], k: int) -> str:
     return f"tokens/round {toks / rounds:.2f}"
 
 
-def main() -> None:
+def answers(sets: list[str], tokens: int = 160) -> dict[str, list[tuple[list[int], list[int]]]]:
+    """(prompt ids, the target's greedy answer) for each prompt of each named ``bench spec`` set."""
     model = ModelStore().resolve("qwen2.5-coder-1.5b")
     res = export_model(model, [(0, model.num_layers)], ExportOptions(weights="int4"))
     tok = ChatTokenizer(res.dir / "tokenizer")
     chain = Chain.load(res.dir, device="CPU", threads=min(2, os.cpu_count() or 1))
-    for name, prompts in PROMPTS.items():
-        items = []
-        for p in prompts:
+    out: dict[str, list[tuple[list[int], list[int]]]] = {}
+    for name in sets:
+        out[name] = []
+        for p in PROMPTS[name]:
             ids = tok.chat_ids([{"role": "user", "content": p}])
-            items.append((ids, chain.generate(ids, max_tokens=160).tokens))
+            out[name].append((ids, chain.generate(ids, max_tokens=tokens).tokens))
+    return out
+
+
+def main() -> None:
+    for name, items in answers(list(PROMPTS)).items():
         for k in (4, 8, 16):
             print(f"{name}: full proposals, K={k}: {replay(items, k, 0.0, False)}")
         for bar in (0.06, 0.14):

@@ -3,32 +3,30 @@
     .venv/bin/python docs/bench/lookup_variants.py
 
 Generates 160 greedy tokens of Qwen2.5-Coder-1.5B (INT4, whole model) for each ``bench spec``
-code prompt, as ``lookup_replay.py`` does, then replays full proposals of K tokens (the longest
+code prompt (``lookup_replay.answers``), then replays full proposals of K tokens (the longest
 matching prefix accepted, plus one token) for copy rules that differ in how the source is chosen:
 
-* ``recent N``: the latest earlier occurrence of the longest tail n-gram (n <= N): the shipped
-  ``LookupDrafter`` with ``max_ngram`` N;
+* ``recent N``: the shipped ``LookupDrafter`` with ``max_ngram`` N (the latest earlier
+  occurrence of the longest tail n-gram, n <= N), full proposals;
 * ``follow N``: of the occurrences, the first one at or after where the last accepted copy ended
   (edits copy the source in order);
 * ``vote N``: token by token, what most of the occurrences that still agree continue with.
 
 Prints tokens per round for the first 64 tokens (what ``bench spec --tokens 64`` times) and for
 all 160. 3x at 100 ms/hop (2 stages, 1 stream, coordinator on stage 0's node) needs about 4
-tokens a round at K=8: there a K=8 round took about 1.3x a plain one (lookup at K=8 gave 5.57
-tok/s at ~2.35 tokens a round, i.e. ~420 ms a round, against 320 ms a plain token; 2026-12-03).
+tokens a round at K=8: there a K=8 round takes 1.3-1.4 plain tokens' time (lookup at K=8 gave
+5.57 tok/s at ~2.35 tokens a round, i.e. ~420 ms a round, against 320 ms a plain token;
+2026-12-03; the README's lookup paragraph).
 """
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from agent.bench.spec_prompts import PROMPTS
-from agent.export.exporter import ExportOptions, export_model
-from agent.models.store import ModelStore
-from agent.runtime.chain import Chain
-from agent.runtime.tokenizer import ChatTokenizer
+from lookup_replay import answers  # beside this file (python puts the script's folder on the path)
+
+from coordinator.drafting import LookupDrafter
 
 Rule = Callable[[Sequence[int], int, dict[str, int]], list[int]]
 
@@ -48,12 +46,10 @@ def longest(ctx: Sequence[int], max_ngram: int) -> list[int]:
 
 
 def recent(max_ngram: int) -> Rule:
+    session = LookupDrafter(max_ngram=max_ngram).session()  # starts over on each new prompt
+
     def rule(ctx: Sequence[int], k: int, st: dict[str, int]) -> list[int]:
-        found = longest(ctx, max_ngram)
-        if not found:
-            return []
-        st["src"] = found[-1]
-        return list(ctx[found[-1] : found[-1] + k])
+        return session.propose(ctx, k)
 
     return rule
 
@@ -102,14 +98,7 @@ def replay(items: list[tuple[list[int], list[int]]], rule: Rule, k: int, first: 
 
 
 def main() -> None:
-    model = ModelStore().resolve("qwen2.5-coder-1.5b")
-    res = export_model(model, [(0, model.num_layers)], ExportOptions(weights="int4"))
-    tok = ChatTokenizer(res.dir / "tokenizer")
-    chain = Chain.load(res.dir, device="CPU", threads=min(2, os.cpu_count() or 1))
-    items = []
-    for p in PROMPTS["code"]:
-        ids = tok.chat_ids([{"role": "user", "content": p}])
-        items.append((ids, chain.generate(ids, max_tokens=160).tokens))
+    items = answers(["code"])["code"]
     rules = {
         f"{name} {n}": make(n)
         for name, make in (("recent", recent), ("follow", follow), ("vote", vote))
