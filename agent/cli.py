@@ -209,6 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument(
         "--spin-ms", default="50", help="the agents' --spin-ms, one cluster each, e.g. 50,0 (an A/B in one run)"
     )
+    pl.add_argument(
+        "--head-help",
+        default="on",
+        help="the agents' --head-help (stage 0 computes part of the head for a lone stream): on, off, on,off",
+    )
     pl.add_argument("--json", action="store_true")
     pf = bsub.add_parser("prefill", help="time to first token of a long prompt: pieces vs one frame vs one node")
     pf.add_argument("--model", default="smollm2-135m")

@@ -37,6 +37,12 @@ def add_parsers(sub: Any, port_type: Any, positive_int: Any) -> None:
     ag.add_argument(
         "--spin-ms", type=float, default=50.0, help="keep the core busy this long after a step while streams run"
     )
+    ag.add_argument(
+        "--head-help",
+        choices=["on", "off"],
+        default="on",
+        help="as the last stage, let stage 0 compute part of the vocabulary head for a lone stream (on)",
+    )
     st = sub.add_parser("status", help="show this node, its peers and the coordinator, as the local agent sees them")
     st.add_argument("--api-port", type=port_type, default=None, help="the local agent's status API port")
     st.add_argument("--json", action="store_true", help="print the raw JSON of /v1/node and /v1/cluster")
@@ -74,6 +80,7 @@ def run_agent(args: argparse.Namespace) -> int:
         device=args.device,
         threads=args.threads,
         spin_ms=max(0.0, args.spin_ms),
+        head_help=args.head_help == "on",
         standalone=args.standalone,
     )
     try:

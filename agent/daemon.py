@@ -54,6 +54,7 @@ class DaemonOptions:
     device: str = "AUTO"
     threads: int | None = None
     spin_ms: float = 50.0
+    head_help: bool = True
     standalone: bool = False
     timing: Timing = field(default_factory=Timing)
 
@@ -64,7 +65,7 @@ class AgentDaemon:
         self.node = node_id()
         # standalone agents take their term from a 'serve' coordinator, not from an election
         self.store = TermStore(persist=not opts.standalone)
-        self.host = StageHost(device=opts.device, threads=opts.threads, spin_ms=opts.spin_ms)
+        self.host = StageHost(device=opts.device, threads=opts.threads, spin_ms=opts.spin_ms, head_help=opts.head_help)
         self.host.term_seen = data_term(self.store.state.term)
         self.me = LocalNode(
             node=self.node,

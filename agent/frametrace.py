@@ -9,7 +9,10 @@ CLOCK_MONOTONIC is one clock for every process of a machine, so the lines of a l
 cluster's agents (``lakeshard bench pipeline`` passes the variable on) line up. Events:
 ``recv`` (a Fwd frame decoded on the event loop), ``start`` and ``end`` (its step on the
 compute thread), ``done`` (the result back on the event loop) and ``sent`` (a frame written to
-a next-hop websocket; stream ``-``, seq = its size). ``docs/bench/hop_trace.py`` turns a run's
+a next-hop websocket; stream ``-``, seq = its size). A step whose vocabulary head is split
+(the last stage, a lone stream) adds ``trunk`` (its layers done), ``head_sent`` (the request on
+its way to stage 0) and ``head_top`` (stage 0's answer back); stage 0 logs ``head_recv`` and
+``head_done`` (its part computed, on the event loop). ``docs/bench/hop_trace.py`` turns a run's
 files into a per-hop breakdown. A line costs one ``write`` (a few microseconds).
 """
 

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Awaitable, Callable
 
@@ -58,7 +59,7 @@ class Link:
         self.bytes_per_s = mbps * 1e6 / 8 if mbps > 0 else 0.0
         self._tx_free_at = 0.0  # when the emulated line finishes sending what is queued
         self._on_frame = on_frame
-        self._queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[float, bytes, threading.Event | None]] = asyncio.Queue()
         self._connect_timeout = connect_timeout
         self._session: aiohttp.ClientSession | None = None
         self._ws: aiohttp.ClientWebSocketResponse | None = None
@@ -84,8 +85,9 @@ class Link:
     async def async_send(self, frame: bytes) -> None:
         self.send_nowait(frame)
 
-    def send_nowait(self, frame: bytes) -> None:
-        """Queue a frame (never blocks: callers bound their own in-flight work)."""
+    def send_nowait(self, frame: bytes, sent: threading.Event | None = None) -> None:
+        """Queue a frame (never blocks: callers bound their own in-flight work). ``sent`` is set
+        once the frame is on the socket (on an emulated line: once it is queued on the line)."""
         if self._closed:
             raise LinkClosed(f"link to {self.url} is closed")
         now = time.monotonic()
@@ -94,17 +96,24 @@ class Link:
             due = self._tx_free_at + self.delay_s
         else:
             due = now + self.delay_s
-        self._queue.put_nowait((due, frame))
+        if sent is not None and (self.bytes_per_s or self.delay_s):
+            sent.set()
+            sent = None
+        self._queue.put_nowait((due, frame, sent))
 
     async def _sender(self) -> None:
         assert self._ws is not None
         try:
             while True:
-                due, frame = await self._queue.get()
+                due, frame, sent = await self._queue.get()
                 wait = due - time.monotonic()
                 if wait > 0:
                     await asyncio.sleep(wait)
-                await self._ws.send_bytes(frame)
+                try:
+                    await self._ws.send_bytes(frame)
+                finally:
+                    if sent is not None:
+                        sent.set()
                 frametrace.mark("sent", "-", len(frame))
         except (ConnectionError, aiohttp.ClientError) as e:
             log.warning("link to %s failed: %s", self.url, e)

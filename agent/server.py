@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
@@ -20,8 +21,21 @@ from aiohttp import web
 
 from agent import frametrace
 from agent.link import HEARTBEAT_S, Link
-from agent.protocol import MAX_FRAME, Assign, Close, Error, Fwd, Message, Passed, ProtocolError, decode, encode
-from agent.stage_host import Output, StageHost
+from agent.protocol import (
+    MAX_FRAME,
+    Assign,
+    Close,
+    Error,
+    Fwd,
+    Head,
+    HeadTop,
+    Message,
+    Passed,
+    ProtocolError,
+    decode,
+    encode,
+)
+from agent.stage_host import HeadWait, StageHost
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +45,11 @@ FENCED = frozenset({"stale_term", "unknown_term", "not_assigned"})
 
 
 MAX_PENDING = 512  # frames queued for the compute thread before new ones are refused
+HEAD_TIMEOUT_S = 60.0  # how long a last stage waits for stage 0's part of the head
+HEAD_SEND_WAIT_S = 0.005  # how long its compute thread waits for that request to be on the socket
+Key = tuple[str, int]  # (stream, seq)
+# a step's result: the frame for the next hop, the ring's next step (its payload and frame)
+Work = tuple[bytes, Fwd | None, bytes, bytes | None] | HeadWait
 
 
 class AgentRuntime:
@@ -47,6 +66,11 @@ class AgentRuntime:
         self.loop: Link | None = None  # last stage -> stage 0, for steps the ring runs on its own
         self.pending = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        # steps waiting for stage 0's part of the head, and parts that came before their step
+        self._heads: dict[Key, tuple[HeadWait, asyncio.TimerHandle]] = {}
+        self._tops: dict[Key, HeadTop] = {}
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        host.loop_up = lambda: self.loop is not None and not self.loop.closed
 
     async def async_set_next(self, url: str, delay_ms: float, mbps: float = 0.0) -> None:
         old, self.next = self.next, Link(url, delay_ms=delay_ms, mbps=mbps, on_frame=self._on_next_reply)
@@ -59,7 +83,7 @@ class AgentRuntime:
         if old is not None:
             await old.async_close()
         if url:
-            self.loop = Link(url, delay_ms=delay_ms, mbps=mbps, on_frame=self._on_next_reply)
+            self.loop = Link(url, delay_ms=delay_ms, mbps=mbps, on_frame=self._on_loop_reply)
             await self.loop.async_connect()
 
     async def _on_next_reply(self, frame: bytes) -> None:
@@ -70,16 +94,93 @@ class AgentRuntime:
             quiet = isinstance(msg, Error) and msg.code == "unknown_stream" and msg.stream in self.host.closed
             log.log(logging.DEBUG if quiet else logging.INFO, "next hop reported: %s", msg)
 
+    async def _on_loop_reply(self, frame: bytes) -> None:
+        """Stage 0 answers the last stage with its part of the head (or an error about a step)."""
+        try:
+            msg, _ = decode(frame)
+        except ProtocolError as e:
+            log.info("stage 0 sent a bad frame: %s", e)
+            return
+        if isinstance(msg, HeadTop):
+            frametrace.mark("head_top", msg.stream, msg.seq)
+            key = (msg.stream, msg.seq)
+            if key in self._heads:
+                self._combine(key, msg)
+            else:  # before this stage's own part: it is still computing
+                self._tops[key] = msg
+                while len(self._tops) > 64:
+                    self._tops.pop(next(iter(self._tops)))
+        elif isinstance(msg, Error) and msg.stream is not None and (msg.stream, msg.seq or 0) in self._heads:
+            self._heads.pop((msg.stream, msg.seq or 0))[1].cancel()
+            self.spawn(self.report(ProtocolError(msg.code, f"stage 0: {msg.message}", msg.stream, msg.seq), None))
+        else:
+            await self._on_next_reply(frame)
+
+    def _wait_head(self, wait: HeadWait) -> None:
+        """This stage's part of the head is done: combine with stage 0's, now or when it comes."""
+        key = (wait.fwd.stream, wait.fwd.seq)
+        assert self._aloop is not None
+        timer = self._aloop.call_later(HEAD_TIMEOUT_S, self._head_timeout, key)
+        self._heads[key] = (wait, timer)
+        top = self._tops.pop(key, None)
+        if top is not None:
+            self._combine(key, top)
+
+    def _head_timeout(self, key: Key) -> None:
+        if self._heads.pop(key, None) is not None:
+            err = ProtocolError("head_timeout", "stage 0 did not answer with its part of the head", *key)
+            self.spawn(self.report(err, None))
+
+    def _combine(self, key: Key, top: HeadTop) -> None:
+        """The step's token: stage 0's rows come first, so on a tie its id wins (as argmax's)."""
+        wait, timer = self._heads.pop(key)
+        timer.cancel()
+        assert wait.top is not None
+        values, ids = wait.top
+        if len(top.ids) != len(ids):
+            self.spawn(self.report(ProtocolError("bad_field", "stage 0's head part has the wrong length", *key), None))
+            return
+        pairs = zip(top.ids, top.values, values, ids, strict=True)
+        toks = tuple(lo if lv >= float(v) else int(i) for lo, lv, v, i in pairs)
+        out = self.host.finish(wait.fwd, toks, wait.busy_ms)
+        if out.follow is not None:
+            self._continue(out.follow, out.follow_payload, encode(out.follow, out.follow_payload))
+        self._send(encode(out.message, out.payload))
+
+    def submit_head(self, msg: Head, payload: memoryview, reply: web.WebSocketResponse) -> None:
+        """Stage 0: compute its rows of the head for the last stage, and answer on its connection."""
+
+        def done(res: HeadTop | None, exc: BaseException | None) -> None:
+            frametrace.mark("head_done", msg.stream, msg.seq)
+            if res is not None:
+                self.spawn(self._tell(reply, res))
+            elif exc is not None:
+                e = exc if isinstance(exc, ProtocolError) else ProtocolError("internal", str(exc), msg.stream, msg.seq)
+                self.host.errors += 1
+                log.info("head part failed: %s", e)
+                self.spawn(self._tell(reply, Error(code=e.code, message=str(e), stream=msg.stream, seq=msg.seq)))
+
+        self.host.compute.submit(self.host.head_part, (msg, payload), done)
+
+    def clear_heads(self) -> None:
+        for _, timer in self._heads.values():
+            timer.cancel()
+        self._heads.clear()
+        self._tops.clear()
+
     def submit_fwd(self, fwd: Fwd, payload: memoryview, reply: web.WebSocketResponse | None) -> None:
         if self.pending >= MAX_PENDING:
             self.spawn(self.report(ProtocolError("busy", "stage queue is full", fwd.stream, fwd.seq), reply))
             return
         self.pending += 1
+        self._aloop = asyncio.get_running_loop()
 
-        def done(res: tuple[bytes, Fwd | None, bytes, bytes | None] | None, exc: BaseException | None) -> None:
+        def done(res: Work | None, exc: BaseException | None) -> None:
             self.pending -= 1
             frametrace.mark("done", fwd.stream, fwd.seq)
-            if exc is None and res is not None:
+            if isinstance(res, HeadWait):
+                self._wait_head(res)
+            elif exc is None and res is not None:
                 if fwd.ack and reply is not None:  # the sender waits to hear it has passed stage 0
                     self.spawn(self._tell(reply, Passed(term=fwd.term, stream=fwd.stream, seq=fwd.seq)))
                 frame, follow, follow_payload, follow_frame = res
@@ -94,11 +195,27 @@ class AgentRuntime:
 
         self.host.compute.submit(self._work, (fwd, payload), done)
 
-    def _work(self, fwd: Fwd, payload: memoryview) -> tuple[bytes, Fwd | None, bytes, bytes | None]:
+    def _work(self, fwd: Fwd, payload: memoryview) -> Work:
         """On the compute thread: run the stage, encode what goes to the next hop (and back to
-        stage 0, where the ring runs the stream on its own and stage 0 is another agent)."""
+        stage 0, where the ring runs the stream on its own and stage 0 is another agent).
+        A step whose head is split sends its hidden states to stage 0 first, then computes this
+        stage's part of the head while stage 0 computes the other."""
         frametrace.mark("start", fwd.stream, fwd.seq)
-        out: Output = self.host.process(fwd, payload)
+        out = self.host.process(fwd, payload)
+        if isinstance(out, HeadWait):
+            frametrace.mark("trunk", fwd.stream, fwd.seq)
+            frame = encode(Head(term=fwd.term, stream=fwd.stream, seq=fwd.seq, n=1), out.hidden)
+            assert self._aloop is not None
+            sent = threading.Event()
+            self._aloop.call_soon_threadsafe(self._send_head, frame, fwd, sent)
+            # On a node of one core the event loop would wait for this thread's next inference
+            # to finish before it could send the frame: let it go first (bounded, in case not).
+            sent.wait(HEAD_SEND_WAIT_S)
+            frametrace.mark("head_sent", fwd.stream, fwd.seq)
+            assert self.host.stage is not None
+            out.top = self.host.stage.head_top(out.hidden)
+            frametrace.mark("end", fwd.stream, fwd.seq)
+            return out
         frametrace.mark("end", fwd.stream, fwd.seq)
         follow_frame = None
         if out.follow is not None and not (self.host.stage is not None and self.host.stage.first):
@@ -113,6 +230,13 @@ class AgentRuntime:
             self.loop.send_nowait(frame)
         else:
             log.warning("no link back to stage 0: stream %s stops here", follow.stream)
+
+    def _send_head(self, frame: bytes, fwd: Fwd, sent: threading.Event) -> None:
+        if self.loop is not None and not self.loop.closed:
+            self.loop.send_nowait(frame, sent)
+        else:  # the link went down since the step started: the step fails (its timer reports it)
+            sent.set()
+            log.warning("no link back to stage 0 for the head of stream %s", fwd.stream)
 
     def submit_end(self, msg: Close | Error) -> None:
         """Forget the stream (after its queued steps) and pass the message along the ring."""
@@ -209,8 +333,13 @@ async def _on_frame(rt: AgentRuntime, ws: web.WebSocketResponse, msg: Message, p
             frametrace.mark("recv", msg.stream, msg.seq)
             rt.host.check_term(msg.term)
             rt.submit_fwd(msg, payload, ws)
+        elif isinstance(msg, Head):
+            frametrace.mark("head_recv", msg.stream, msg.seq)
+            rt.host.check_term(msg.term)
+            rt.submit_head(msg, payload, ws)
         elif isinstance(msg, Assign):
             assigned = await rt.host.async_assign(msg)
+            rt.clear_heads()
             await rt.async_set_next(msg.next_hop, msg.link_delay_ms, msg.link_mbps)
             loop_hop = msg.loop_hop if msg.stage == msg.stages - 1 and msg.stages > 1 else None
             await rt.async_set_loop(loop_hop, msg.link_delay_ms, msg.link_mbps)

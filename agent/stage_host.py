@@ -13,6 +13,7 @@ import json
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -24,13 +25,14 @@ import psutil
 from agent.compute import ComputeThread
 from agent.hashing import sha256_file
 from agent.paths import cache_dir
-from agent.protocol import Assign, Assigned, Fwd, Ids, Message, ProtocolError, tensor
+from agent.protocol import Assign, Assigned, Fwd, Head, HeadTop, Ids, Message, ProtocolError, tensor
 from agent.runtime.sampling import Sampling, choose_token
 from agent.runtime.stage import Stage, StageError, Stream
 
 log = logging.getLogger(__name__)
 MAX_STREAMS = 256
 STAGE_FILES = ("model.xml", "model.bin")
+OPTIONAL_FILES = ("head.xml", "head.bin")  # a part of the vocabulary head (manifest "head_part")
 
 
 @dataclass
@@ -41,10 +43,26 @@ class Output:
     follow_payload: bytes = b""
 
 
+@dataclass
+class HeadWait:
+    """A last stage's step whose layers are done, its head computed in two parts: ``hidden``
+    goes to stage 0 for the first rows; ``top`` (set on the compute thread) is this stage's."""
+
+    fwd: Fwd
+    busy_ms: float
+    hidden: np.ndarray  # float32 [1, 1, H]
+    top: tuple[np.ndarray, np.ndarray] | None = None
+
+
 class StageHost:
-    def __init__(self, *, device: str = "AUTO", threads: int | None = None, spin_ms: float = 50.0) -> None:
+    def __init__(
+        self, *, device: str = "AUTO", threads: int | None = None, spin_ms: float = 50.0, head_help: bool = True
+    ) -> None:
         self.device = device
         self.threads = threads
+        self.head_help = head_help  # whether a last stage may ask stage 0 for part of the head
+        self.loop_up: Callable[[], bool] = lambda: False  # whether the link back to stage 0 is up (set by the server)
+        self.head_steps = 0  # steps whose head was computed in two parts
         self.term_seen = 0
         self.assignment: Assign | None = None
         self.stage: Stage | None = None
@@ -101,7 +119,8 @@ class StageHost:
                 if await asyncio.to_thread(sha256_file, part / "manifest.json") != msg.manifest_sha256:
                     raise ProtocolError("bad_artifact", "manifest hash does not match the assignment")
                 manifest = json.loads((part / "manifest.json").read_text())
-                for name in STAGE_FILES:
+                names = [*STAGE_FILES, *(f for f in OPTIONAL_FILES if f in manifest["files"])]
+                for name in names:
                     await self._fetch(s, f"{base}/{name}", part / name, msg.link_mbps)
                     if await asyncio.to_thread(sha256_file, part / name) != manifest["files"][name]["sha256"]:
                         (part / name).unlink()
@@ -146,8 +165,28 @@ class StageHost:
             code = "stale_term" if term < a.term else "unknown_term"
             raise ProtocolError(code, f"frame of term {term}, stage assigned in term {a.term}")
 
-    def process(self, fwd: Fwd, payload: memoryview) -> Output:
-        """Run one Fwd frame (on the compute thread). Raises ProtocolError for bad input."""
+    def _split_head(self, fwd: Fwd) -> bool:
+        """Whether this last stage's step leaves the first rows of the head to stage 0: a greedy
+        one-token step while this stream is the only one here (so stage 0 has nothing else to do)."""
+        stage = self.stage
+        return (
+            self.head_help
+            and stage is not None
+            and stage.last
+            and stage.hidden_out
+            and stage.head_rows is not None
+            and stage.head_rows[0] > 0
+            and fwd.n == 1
+            and not fwd.ret_logits
+            and fwd.logits in ((), (0,))
+            and fwd.sampling.temperature == 0.0
+            and len(self.streams) == 1
+            and self.loop_up()
+        )
+
+    def process(self, fwd: Fwd, payload: memoryview) -> Output | HeadWait:
+        """Run one Fwd frame (on the compute thread). Raises ProtocolError for bad input.
+        A :class:`HeadWait` means the vocabulary head is still to be computed (in two parts)."""
         stage, a = self.stage, self.assignment
         assert stage is not None and a is not None
         try:
@@ -166,7 +205,10 @@ class StageHost:
                 st.rollback(fwd.rollback)
                 st.maybe_compact()
             pos0 = st.pos
+            split = self._split_head(fwd)
             idx = np.asarray(fwd.logits, dtype=np.int64) if fwd.logits else None
+            if split:
+                idx = np.zeros(0, dtype=np.int64)
             try:
                 t0 = time.perf_counter()
                 out = stage.forward(st, x, logits_idx=idx)
@@ -190,6 +232,10 @@ class StageHost:
             h = out.hidden.astype(np.float16) if wire == "f16" else out.hidden
             nxt = replace(fwd, dtype=wire, busy_ms=busy_ms, ack=False)  # the sender heard from stage 0
             return Output(nxt, h.tobytes())
+        if split:
+            assert out.hidden is not None
+            self.head_steps += 1
+            return HeadWait(fwd, busy_ms, np.array(out.hidden[:, -1:], dtype=np.float32))
         assert out.token_ids is not None and out.logits is not None
         if fwd.ret_logits:
             lg = np.ascontiguousarray(out.logits, dtype=np.float32)
@@ -211,6 +257,10 @@ class StageHost:
             sp = Sampling(s.temperature, s.top_p, s.seed)
             rows = list(fwd.logits) if fwd.logits else [fwd.n - 1]
             toks = tuple(choose_token(out.logits[k], sp, pos0 + rows[k]) for k in range(len(rows)))
+        return self.finish(fwd, toks, busy_ms)
+
+    def finish(self, fwd: Fwd, toks: tuple[int, ...], busy_ms: float) -> Output:
+        """The last stage's answer to ``fwd`` once its tokens are chosen (and the ring's next step)."""
         ids = Ids(
             term=fwd.term,
             stream=fwd.stream,
@@ -233,6 +283,33 @@ class StageHost:
             )
             return Output(ids, follow=nxt, follow_payload=np.asarray(toks[-1:], dtype=np.int32).tobytes())
         return Output(ids)
+
+    def head_part(self, msg: Head, payload: memoryview) -> HeadTop:
+        """Stage 0's rows of the vocabulary head for a last stage's step (on the compute thread)."""
+        stage = self.stage
+        assert stage is not None
+        if stage.head_rows is None or not stage.first:
+            raise ProtocolError("no_head_part", "this stage holds no part of the vocabulary head", msg.stream, msg.seq)
+        need = msg.n * stage.hidden_size * 4
+        if len(payload) != need:
+            raise ProtocolError(
+                "bad_payload",
+                f"payload has {len(payload)} bytes; {msg.n} positions of f32 x {stage.hidden_size} need {need}",
+                msg.stream,
+                msg.seq,
+            )
+        hidden = np.frombuffer(payload, dtype="<f4").reshape(1, msg.n, stage.hidden_size)
+        try:
+            values, ids = stage.head_top(np.array(hidden))
+        except (StageError, RuntimeError) as e:
+            raise ProtocolError("bad_input", str(e), msg.stream, msg.seq) from None
+        return HeadTop(
+            term=msg.term,
+            stream=msg.stream,
+            seq=msg.seq,
+            values=tuple(float(v) for v in values),
+            ids=tuple(int(i) for i in ids),
+        )
 
     def _stream(self, fwd: Fwd) -> Stream:
         st = self.streams.get(fwd.stream)
@@ -269,6 +346,7 @@ class StageHost:
             "device": None if s is None else s.device,
             "streams": len(self.streams),
             "frames": self.frames,
+            "head_steps": self.head_steps,
             "errors": self.errors,
             "compute_s": round(self.compute_s, 4),
             "step_ms_p50": round(statistics.median(self.recent_ms), 3) if self.recent_ms else None,

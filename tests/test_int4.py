@@ -25,10 +25,14 @@ def test_int4_manifest_describes_the_stage(int4_exports: dict[int, Path], smollm
         }
         assert m["beam_idx"] is True
         assert {i["name"] for i in m["inputs"]} >= {"attention_mask", "position_ids", "beam_idx"}
-        assert set(m["files"]) == {"model.xml", "model.bin"}
+        # each end of the split holds a part of the vocabulary head, its own files verified alike
+        assert set(m["files"]) == {"model.xml", "model.bin", "head.xml", "head.bin"}
     assert mans[0]["inputs"][0]["name"] == "input_ids"
     assert mans[1]["inputs"][0]["name"] == "hidden_states"
-    assert {o["name"] for o in mans[1]["outputs"]} == {"logits", "token_ids"}
+    assert {o["name"] for o in mans[1]["outputs"]} >= {"logits", "token_ids", "hidden_states_out"}
+    vocab = mans[0]["vocab_size"]
+    (a0, b0), (a1, b1) = mans[0]["head_part"]["rows"], mans[1]["head_part"]["rows"]
+    assert a0 == 0 and b0 == a1 and b1 == vocab and 0 < b0 < vocab / 2
     report(f"int4 2-stage export: peak RSS per stage export {[m['export_peak_rss_mb'] for m in mans]} MB")
 
 

@@ -12,7 +12,7 @@ import aiohttp
 import msgpack
 import numpy as np
 
-from agent.protocol import Error, Fwd, decode, encode
+from agent.protocol import Error, Fwd, Head, HeadTop, decode, encode
 from tests.conftest import PROMPTS, Served, chat
 
 
@@ -37,6 +37,9 @@ async def _attack(node: str, hidden: int, term: int) -> list[tuple[str, str | No
             {**base, "n": 1, "dtype": "f16", "start": True, "rollback": 5},
             np.zeros((1, 1, hidden), np.float16).tobytes(),
         ),  # rollback beyond the cache
+        _raw({**base, "t": "head", "n": 1}, np.zeros((1, 1, hidden), np.float32).tobytes()),  # head part: none here
+        _raw({**base, "t": "head", "n": 0}),  # a head request for no positions
+        _raw({**base, "t": "head_top", "values": [1.0], "ids": [1]}),  # an answer nobody asked this agent for
     ]
     codes = []
     async with aiohttp.ClientSession() as s, s.ws_connect(f"http://{node}/ws", max_msg_size=0) as ws:
@@ -78,10 +81,30 @@ def test_malformed_frames_get_errors_and_healthy_streams_finish(served3: Served)
         "stale_term",
         "unexpected",
         "bad_input",
+        "no_head_part",
+        "bad_field",
+        "unexpected",
     ]
     assert got == [expected]
     # and the pipeline still serves new requests afterwards
     assert chat(served3, PROMPTS[2], max_tokens=64, temperature=0) == expected
+
+
+def test_stage_zero_answers_for_its_rows_of_the_head_and_refuses_bad_requests(served3: Served) -> None:
+    async def go() -> list[Any]:
+        out = []
+        async with aiohttp.ClientSession() as s, s.ws_connect(f"http://{served3.nodes[0]}/ws") as ws:
+            hidden = np.random.default_rng(0).standard_normal((1, 2, 576)).astype(np.float32)
+            for n, payload in ((2, hidden), (2, hidden[:, :1]), (1, hidden[:, :1].astype(np.float16))):
+                await ws.send_bytes(encode(Head(term=1, stream="ask", seq=3, n=n), payload))
+                out.append(decode((await asyncio.wait_for(ws.receive(), 30)).data)[0])
+        return out
+
+    top, short, half = asyncio.run(go())
+    assert isinstance(top, HeadTop) and (top.stream, top.seq) == ("ask", 3)
+    assert len(top.ids) == 2 and all(0 <= i < 49152 * 0.4 for i in top.ids)  # stage 0 holds the first 40%
+    assert isinstance(short, Error) and short.code == "bad_payload" and short.stream == "ask"
+    assert isinstance(half, Error) and half.code == "bad_payload"  # float32 only
 
 
 def test_stage_zero_refuses_out_of_range_token_ids(served3: Served) -> None:

@@ -21,11 +21,19 @@ def _reference(whole, tok, prompt: str, max_tokens: int, sampling: Sampling | No
     return str(tok.decode(g.tokens))
 
 
+def _head_steps(node: str) -> int:
+    with urllib.request.urlopen(f"http://{node}/v1/node", timeout=10) as r:
+        return int(json.loads(r.read())["stage"]["head_steps"])
+
+
 def test_three_agents_give_the_whole_model_greedy_tokens(served3: Served, whole_int8, smollm2_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    before = _head_steps(served3.nodes[-1])
     for prompt in PROMPTS[:2]:
         got = chat(served3, prompt, max_tokens=48, temperature=0)
         assert got == _reference(whole_int8, smollm2_tokenizer, prompt, 48)
         assert len(got) > 20
+    # a lone stream's head was computed in two parts, stage 0's beside the last stage's
+    assert _head_steps(served3.nodes[-1]) - before >= 2 * 40
 
 
 LONG_CODE = "\n".join(

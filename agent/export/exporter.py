@@ -29,7 +29,12 @@ from agent.progress import step
 
 log = logging.getLogger(__name__)
 
-EXPORT_VERSION = 4
+EXPORT_VERSION = 5
+# Of the vocabulary head's rows, the share a split's stage 0 holds a copy of, to compute beside
+# the last stage while a lone stream's step is there (the last stage then computes the rest).
+# Under half: stage 0's part waits for two hops the last stage's part does not.
+HEAD_SHARE = 0.4
+HEAD_FILES = ("head.xml", "head.bin")
 WEIGHTS = ("fp32", "fp16", "int8", "int4")
 
 
@@ -222,8 +227,8 @@ def export_stage(job: dict[str, Any]) -> dict[str, Any]:
     from transformers import AutoConfig
 
     from agent.export.checkpoint import GGUFCheckpoint, opened
-    from agent.export.ir import convert_stage
-    from agent.export.stage_module import StageModule
+    from agent.export.ir import convert_head, convert_stage
+    from agent.export.stage_module import HeadPart, StageModule, head_rows
 
     spec = StageSpec(**job["spec"])
     opts = ExportOptions(**job["opts"])
@@ -238,6 +243,8 @@ def export_stage(job: dict[str, Any]) -> dict[str, Any]:
             factors = ckpt.rope_freq_factors()
         _say("reading tensors")
         module = StageModule(cfg, ckpt, spec, full_logits=opts.genai, freq_factors=factors)
+        rows = None if opts.genai else head_rows(cfg.vocab_size, spec.index, spec.count, HEAD_SHARE)
+        head = HeadPart(cfg, ckpt, rows) if rows else None
     _say("converting to OpenVINO")
     model = convert_stage(module, cfg, beam_idx=opts.beam_idx)
     del module
@@ -249,6 +256,16 @@ def export_stage(job: dict[str, Any]) -> dict[str, Any]:
     outputs = [_port(p) for p in model.outputs]
     del model
     gc.collect()
+    files = ["model.xml", "model.bin"]
+    if head is not None:
+        _say(f"converting the head part (vocabulary rows {rows[0]}..{rows[1] - 1})")  # type: ignore[index]
+        hmodel = convert_head(head, cfg)
+        del head
+        _compress(hmodel, opts)
+        ov.save_model(hmodel, str(dest / "head.xml"), compress_to_fp16=opts.weights == "fp16")
+        del hmodel
+        gc.collect()
+        files += HEAD_FILES
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     manifest = {
         "export_version": EXPORT_VERSION,
@@ -272,9 +289,8 @@ def export_stage(job: dict[str, Any]) -> dict[str, Any]:
         "beam_idx": opts.beam_idx,
         "full_logits": opts.genai,
         "runtime": {"kv_cache_precision": "f16"},
-        "files": {
-            f: {"sha256": sha256_file(dest / f), "size": (dest / f).stat().st_size} for f in ("model.xml", "model.bin")
-        },
+        "head_part": None if rows is None else {"rows": list(rows), "files": list(HEAD_FILES)},
+        "files": {f: {"sha256": sha256_file(dest / f), "size": (dest / f).stat().st_size} for f in files},
         "export_seconds": round(time.monotonic() - t0, 1),
         "export_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "created": time.time(),

@@ -14,7 +14,7 @@ import openvino as ov
 import torch
 from openvino import opset13 as ops
 
-from agent.export.stage_module import StageModule
+from agent.export.stage_module import HeadPart, StageModule
 
 
 def kv_names(layers: range) -> tuple[list[str], list[str]]:
@@ -59,9 +59,13 @@ def convert_stage(module: StageModule, config: Any, *, beam_idx: bool = True) ->
         port.get_tensor().set_names({name})
         # GenAI's PagedAttention rewrite (SDPAToPagedAttention) finds inputs by node name.
         port.get_node().set_friendly_name(name)
-    out_names = (
-        (["logits"] if module.full_logits else ["logits", "token_ids"]) if spec.last else ["hidden_states_out"]
-    ) + kv_out
+    if not spec.last:
+        out_names = ["hidden_states_out"]
+    elif module.full_logits:
+        out_names = ["logits"]
+    else:
+        out_names = ["logits", "token_ids"] + (["hidden_states_out"] if module.hidden_out else [])
+    out_names += kv_out
     for port, name in zip(model.outputs, out_names, strict=True):
         port.get_tensor().set_names({name})
 
@@ -81,6 +85,20 @@ def convert_stage(module: StageModule, config: Any, *, beam_idx: bool = True) ->
     if beam_idx:
         _fuse_beam_idx(model, kv_in)
     _make_stateful(model, kv_in, kv_out, main_name)
+    model.set_rt_info("lakeshard", ["framework"])
+    return model
+
+
+def convert_head(module: HeadPart, config: Any) -> ov.Model:
+    """Trace a head part: ``hidden_states`` [B, n, H] -> ``top_values``, ``top_ids`` [B, n] (stateless)."""
+    with torch.no_grad():
+        model = ov.convert_model(module, example_input=(torch.zeros((1, 3, config.hidden_size), dtype=torch.float32),))
+    model.inputs[0].get_tensor().set_names({"hidden_states"})
+    model.inputs[0].get_node().set_friendly_name("hidden_states")
+    for port, name in zip(model.outputs, ("top_values", "top_ids"), strict=True):
+        port.get_tensor().set_names({name})
+    model.reshape({"hidden_states": ov.PartialShape([-1, -1, config.hidden_size])})
+    _fast_argmax(model)
     model.set_rt_info("lakeshard", ["framework"])
     return model
 

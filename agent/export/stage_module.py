@@ -145,7 +145,9 @@ class StageModule(nn.Module):
     on the last stage ``logits_idx`` [k] (which of the n positions get logits);
     then past key and value for each layer.
     Outputs: ``hidden_states_out`` (or ``logits`` [B, k, V] and ``token_ids`` [B, k] on the last
-    stage), then present key and value for each layer.
+    stage, and there, in a split of 2 stages or more, also ``hidden_states_out``: the final
+    hidden states of all n positions before the norm, for a :class:`HeadPart` elsewhere), then
+    present key and value for each layer. An empty ``logits_idx`` skips the vocabulary head.
     With ``full_logits`` (the monolithic GenAI-compatible export) the last stage has no
     ``logits_idx`` input, returns logits for all n positions and no argmax.
     """
@@ -162,6 +164,7 @@ class StageModule(nn.Module):
         super().__init__()
         self.spec = spec
         self.full_logits = full_logits
+        self.hidden_out = spec.last and spec.count > 1 and not full_logits
         get = ckpt.tensor
         if spec.first:
             self.embed_tokens = nn.Parameter(torch.from_numpy(get("model.embed_tokens.weight")), requires_grad=False)
@@ -199,9 +202,41 @@ class StageModule(nn.Module):
             presents += [k, v]
         if not spec.last:
             return (h, *presents)
+        final = h
         if logits_idx is not None:
             h = torch.index_select(h, 1, logits_idx)
         logits = F.linear(self.norm(h), self.lm_head)
         if self.full_logits:
             return (logits, *presents)
+        if self.hidden_out:
+            return (logits, torch.argmax(logits, dim=-1), final, *presents)
         return (logits, torch.argmax(logits, dim=-1), *presents)
+
+
+def head_rows(vocab: int, index: int, count: int, share: float) -> tuple[int, int] | None:
+    """The vocabulary rows of the head part a stage holds in a split of ``count`` stages:
+    stage 0 the first ``share`` of them, the last stage the rest; none for other stages."""
+    if count < 2 or index not in (0, count - 1):
+        return None
+    cut = max(1, min(vocab - 1, round(vocab * share)))
+    return (0, cut) if index == 0 else (cut, vocab)
+
+
+class HeadPart(nn.Module):
+    """Rows ``rows`` of the vocabulary head, after the final norm: hidden states [B, n, H] in,
+    each position's best logit among those rows (``top_values`` [B, n]) and its token id
+    (``top_ids`` [B, n]) out. Two parts on two stages give the whole head's greedy token:
+    the larger value wins, the lower id on a tie, as argmax over all rows picks."""
+
+    def __init__(self, config: Any, ckpt: Any, rows: tuple[int, int]) -> None:
+        super().__init__()
+        a, b = rows
+        self.offset = a
+        self.norm = RMSNorm(ckpt.tensor("model.norm.weight"), config.rms_norm_eps)
+        w = np.ascontiguousarray(ckpt.tensor(ckpt.lm_head_name())[a:b])
+        self.weight = nn.Parameter(torch.from_numpy(w), requires_grad=False)
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(self.norm(h), self.weight)
+        values, ids = torch.max(logits, dim=-1)
+        return values, ids + self.offset

@@ -1,7 +1,8 @@
 """Every wire and control message, typed and frozen, in one package, with the frame codec.
 
 ``codec``: the frame format, field checks and the type registry; ``data``: the ring's
-messages (fwd, ids, passed, close, error, assign); ``control``: agent-to-agent beats and votes.
+messages (fwd, ids, passed, close, error, assign); ``head``: the head-part request and answer;
+``control``: agent-to-agent beats and votes.
 """
 
 from agent.protocol.codec import (
@@ -19,6 +20,7 @@ from agent.protocol.codec import (
 )
 from agent.protocol.control import Ack, Beat, Vote, VoteRequest
 from agent.protocol.data import Assign, Assigned, Close, Error, Fwd, Ids, Passed, SamplingSpec, tensor
+from agent.protocol.head import Head, HeadTop
 
 __all__ = [
     "DTYPES",
@@ -35,6 +37,8 @@ __all__ = [
     "Close",
     "Error",
     "Fwd",
+    "Head",
+    "HeadTop",
     "Ids",
     "Message",
     "Passed",

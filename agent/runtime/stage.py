@@ -150,9 +150,31 @@ class Stage:
         self.compiled = compile_model(self.dir / "model.xml", self.device, props)
         names = {p.get_any_name() for p in self.compiled.inputs}
         self.has_beam_idx = "beam_idx" in names
+        # The last stage of a split also gives its final hidden states, so that the vocabulary
+        # head can be skipped here (an empty logits_idx) and computed in parts (head_top).
+        self.hidden_out = self.last and any(p.get_any_name() == "hidden_states_out" for p in self.compiled.outputs)
+        part = self.manifest.get("head_part")
+        self.head_rows: tuple[int, int] | None = None
+        self._head: ov.InferRequest | None = None
+        if part and (self.dir / "head.xml").is_file():
+            self.head_rows = (int(part["rows"][0]), int(part["rows"][1]))
+            self._head = compile_model(self.dir / "head.xml", self.device, props).create_infer_request()
         self.main_input = "input_ids" if self.first else "hidden_states"
         self._beam = ov.Tensor(np.zeros(1, dtype=np.int32))
         self._lock = threading.Lock()
+
+    def head_top(self, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """This stage's part of the vocabulary head (rows ``head_rows``) for final hidden states
+        [1, n, H]: each position's best logit among those rows and its token id. Stateless;
+        on the compute thread, like :meth:`forward`."""
+        if self._head is None:
+            raise StageError("this stage holds no part of the vocabulary head")
+        h, w = hidden, self.hidden_size
+        if h.dtype != np.float32 or h.ndim != 3 or h.shape[0] != 1 or h.shape[2] != w:
+            raise StageError(f"the head part takes float32 [1, n, {w}], got {h.dtype} {h.shape}")
+        self._head.set_tensor("hidden_states", _shared(hidden))
+        self._head.infer()
+        return self._head.get_tensor("top_values").data[0].copy(), self._head.get_tensor("top_ids").data[0].copy()
 
     @property
     def layers(self) -> tuple[int, int]:
@@ -185,7 +207,10 @@ class Stage:
         if validate:
             self.check_input(x)
         n = int(x.shape[1])
-        if self.last and logits_idx is not None:
+        trunk = self.last and logits_idx is not None and logits_idx.size == 0
+        if trunk and not self.hidden_out:
+            raise StageError("this stage cannot skip its vocabulary head (no hidden_states_out)")
+        if self.last and logits_idx is not None and not trunk:
             if logits_idx.ndim != 1 or logits_idx.size == 0 or logits_idx.min() < 0 or logits_idx.max() >= n:
                 raise StageError(f"logits positions must lie in 0..{n - 1}")
             if logits_idx.dtype != np.int64:
@@ -206,7 +231,7 @@ class Stage:
         req.wait()
         stream.phys += n
         stream.pos += n
-        if not self.last:
+        if not self.last or trunk:
             return StageOutput(hidden=req.get_tensor("hidden_states_out").data)
         logits = req.get_tensor("logits").data[0]
         if self.full_logits:
