@@ -167,7 +167,8 @@ class StageHost:
 
     def _split_head(self, fwd: Fwd) -> bool:
         """Whether this last stage's step leaves the first rows of the head to stage 0: a greedy
-        one-token step while this stream is the only one here (so stage 0 has nothing else to do)."""
+        one-token step of a stream that has the ring to itself (so stage 0 has nothing else to do:
+        no stage it passed holds another stream)."""
         stage = self.stage
         return (
             self.head_help
@@ -180,7 +181,7 @@ class StageHost:
             and not fwd.ret_logits
             and fwd.logits in ((), (0,))
             and fwd.sampling.temperature == 0.0
-            and len(self.streams) == 1
+            and max(fwd.ring_streams, len(self.streams)) == 1
             and self.loop_up()
         )
 
@@ -230,7 +231,8 @@ class StageHost:
             assert out.hidden is not None
             wire = a.wire_dtype
             h = out.hidden.astype(np.float16) if wire == "f16" else out.hidden
-            nxt = replace(fwd, dtype=wire, busy_ms=busy_ms, ack=False)  # the sender heard from stage 0
+            held = max(fwd.ring_streams, len(self.streams))
+            nxt = replace(fwd, dtype=wire, busy_ms=busy_ms, ack=False, ring_streams=held)  # ack: heard at stage 0
             return Output(nxt, h.tobytes())
         if split:
             assert out.hidden is not None

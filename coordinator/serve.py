@@ -27,6 +27,7 @@ from agent.link import HEARTBEAT_S
 from agent.models.store import LocalModel
 from agent.protocol import MAX_FRAME
 from agent.runtime.tokenizer import ChatTokenizer
+from agent.stage_host import OPTIONAL_FILES, STAGE_FILES
 from coordinator.api import ApiState, make_api_app
 from coordinator.calibration import CalibrationStore, fit_head_layers, propose, stage_time
 from coordinator.drafting import load_drafter
@@ -36,6 +37,10 @@ from coordinator.scheduler import Scheduler
 from coordinator.speculative import SpecConfig
 
 log = logging.getLogger(__name__)
+
+
+# what an agent may fetch of a stage's export: its manifest and the files it lists
+SERVED_FILES = frozenset({"manifest.json", *STAGE_FILES, *OPTIONAL_FILES})
 
 
 @dataclass
@@ -147,7 +152,7 @@ class Coordinator:
             if dirs is None:
                 raise web.HTTPNotFound()
             i, name = int(request.match_info["stage"]), request.match_info["name"]
-            if not (0 <= i < len(dirs)) or name not in ("manifest.json", "model.xml", "model.bin"):
+            if not (0 <= i < len(dirs)) or name not in SERVED_FILES:
                 raise web.HTTPNotFound()
             return web.FileResponse(dirs[i] / name)
 

@@ -74,6 +74,7 @@ class Fwd(Message):
     stop: tuple[int, ...] = ()
     busy_ms: float = 0.0  # the longest any stage so far computed this frame (the ring's bottleneck)
     ack: bool = False
+    ring_streams: int = 0  # the most streams any stage so far holds (1: this stream has the ring to itself)
 
     def header(self) -> dict[str, Any]:
         d = super().header()
@@ -115,6 +116,7 @@ class Fwd(Message):
                 stop=int_list_field(h.get("stop", []), "stop", 64),
                 busy_ms=float_field(h.get("busy_ms", 0.0), "busy_ms", 0.0, 1e7),
                 ack=ack,
+                ring_streams=int_field(h.get("ring_streams", 0), "ring_streams", 0, 1 << 20),
             )
         except ProtocolError as e:
             e.stream, e.seq = stream, seq
