@@ -212,8 +212,7 @@ class AgentRuntime:
             # to finish before it could send the frame: let it go first (bounded, in case not).
             sent.wait(HEAD_SEND_WAIT_S)
             frametrace.mark("head_sent", fwd.stream, fwd.seq)
-            assert self.host.stage is not None
-            out.top = self.host.stage.head_top(out.hidden)
+            self.host.head_own_part(out)
             frametrace.mark("end", fwd.stream, fwd.seq)
             return out
         frametrace.mark("end", fwd.stream, fwd.seq)

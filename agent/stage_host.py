@@ -51,6 +51,7 @@ class HeadWait:
     fwd: Fwd
     busy_ms: float
     hidden: np.ndarray  # float32 [1, 1, H]
+    trunk_ms: float = 0.0  # the layers' time
     top: tuple[np.ndarray, np.ndarray] | None = None
 
 
@@ -215,7 +216,8 @@ class StageHost:
                 out = stage.forward(st, x, logits_idx=idx)
                 dt = time.perf_counter() - t0
                 self.compute_s += dt
-                self.recent_ms.append(dt * 1000)
+                if not split:  # a split step's time is noted once its head part is done
+                    self.recent_ms.append(dt * 1000)
             except StageError:
                 raise
             except RuntimeError as e:  # OpenVINO rejected the input
@@ -237,7 +239,7 @@ class StageHost:
         if split:
             assert out.hidden is not None
             self.head_steps += 1
-            return HeadWait(fwd, busy_ms, np.array(out.hidden[:, -1:], dtype=np.float32))
+            return HeadWait(fwd, busy_ms, np.array(out.hidden[:, -1:], dtype=np.float32), trunk_ms=dt * 1000)
         assert out.token_ids is not None and out.logits is not None
         if fwd.ret_logits:
             lg = np.ascontiguousarray(out.logits, dtype=np.float32)
@@ -285,6 +287,19 @@ class StageHost:
             )
             return Output(ids, follow=nxt, follow_payload=np.asarray(toks[-1:], dtype=np.int32).tobytes())
         return Output(ids)
+
+    def head_own_part(self, wait: HeadWait) -> None:
+        """The last stage's rows of a split head (on the compute thread). The step's time is noted
+        as if this stage had computed the whole head (its part scaled up by rows), so that the
+        split planned from measured step times does not change with how many streams run."""
+        stage = self.stage
+        assert stage is not None and stage.head_rows is not None
+        t0 = time.perf_counter()
+        wait.top = stage.head_top(wait.hidden)
+        dt = time.perf_counter() - t0
+        self.compute_s += dt
+        a, b = stage.head_rows
+        self.recent_ms.append(wait.trunk_ms + dt * 1000 * stage.vocab_size / (b - a))
 
     def head_part(self, msg: Head, payload: memoryview) -> HeadTop:
         """Stage 0's rows of the vocabulary head for a last stage's step (on the compute thread)."""

@@ -23,39 +23,41 @@ MAX_HEAD_POSITIONS = 64
 
 
 @dataclass(frozen=True)
-class Head(Message):
-    """Last stage -> stage 0: final hidden states (payload: float32 [1, n, hidden]) of ``seq``."""
+class _HeadStep(Message):
+    """The step (``stream``, ``seq``) of term ``term`` that a head part belongs to."""
 
-    TYPE: ClassVar[str] = "head"
     term: int
     stream: str
     seq: int
+
+    @staticmethod
+    def step(h: dict[str, Any]) -> tuple[int, str, int]:
+        term, stream = int_field(h.get("term"), "term"), str_field(h.get("stream"), "stream", 128)
+        return term, stream, int_field(h.get("seq"), "seq")
+
+
+@dataclass(frozen=True)
+class Head(_HeadStep):
+    """Last stage -> stage 0: final hidden states (payload: float32 [1, n, hidden]) of ``seq``."""
+
+    TYPE: ClassVar[str] = "head"
     n: int
 
     @classmethod
     def parse(cls, h: dict[str, Any]) -> Head:
-        stream = str_field(h.get("stream"), "stream", 128)
-        seq = int_field(h.get("seq"), "seq")
+        term, stream, seq = cls.step(h)
         try:
-            return Head(
-                term=int_field(h.get("term"), "term"),
-                stream=stream,
-                seq=seq,
-                n=int_field(h.get("n"), "n", 1, MAX_HEAD_POSITIONS),
-            )
+            return Head(term, stream, seq, n=int_field(h.get("n"), "n", 1, MAX_HEAD_POSITIONS))
         except ProtocolError as e:
             e.stream, e.seq = stream, seq
             raise
 
 
 @dataclass(frozen=True)
-class HeadTop(Message):
+class HeadTop(_HeadStep):
     """Stage 0 -> last stage: per position, the best logit among stage 0's rows and its id."""
 
     TYPE: ClassVar[str] = "head_top"
-    term: int
-    stream: str
-    seq: int
     values: tuple[float, ...]
     ids: tuple[int, ...]
 
@@ -71,9 +73,7 @@ class HeadTop(Message):
         if not ok or not all(isinstance(v, float) for v in values):  # type: ignore[union-attr]
             raise ProtocolError("bad_field", f"values and ids must be 1..{MAX_HEAD_POSITIONS} floats and ids alike")
         return HeadTop(
-            term=int_field(h.get("term"), "term"),
-            stream=str_field(h.get("stream"), "stream", 128),
-            seq=int_field(h.get("seq"), "seq"),
+            *cls.step(h),
             values=tuple(values),  # type: ignore[arg-type]
             ids=tuple(int_field(i, "ids", 0, 2**31) for i in ids),  # type: ignore[union-attr]
         )

@@ -8,7 +8,10 @@ the agents received each step. Per token, for each stage i (and the hop after it
 ``queue`` (frame decoded on the event loop -> its step starts on the compute thread),
 ``compute``, ``hand`` (step done -> result on the event loop; includes encoding the frame),
 ``send`` (-> written to the next hop's websocket), ``net`` (-> decoded by the next stage; the
-last stage's hop goes back to stage 0 with the stream's next step). Prints medians and means
+last stage's hop goes back to stage 0 with the stream's next step; with the head split, the
+default for a lone stream, the last stage's ``compute`` spans its layers and its part of the
+head and its ``hand`` the wait for stage 0's part: ``--head-help off`` for the plain ring).
+Prints medians and means
 in microseconds, then one JSON line. Prefill steps and the first step after each are left out.
 """
 
