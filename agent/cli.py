@@ -211,8 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pl.add_argument(
         "--head-help",
-        default="on",
-        help="the agents' --head-help (stage 0 computes part of the head for a lone stream): on, off, on,off",
+        default="auto",
+        help="the agents' --head-help (stage 0 computes part of the head for a lone stream): auto, on, off, "
+        "or several, one cluster each (auto,off)",
     )
     pl.add_argument("--json", action="store_true")
     pf = bsub.add_parser("prefill", help="time to first token of a long prompt: pieces vs one frame vs one node")

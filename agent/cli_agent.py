@@ -39,9 +39,10 @@ def add_parsers(sub: Any, port_type: Any, positive_int: Any) -> None:
     )
     ag.add_argument(
         "--head-help",
-        choices=["on", "off"],
-        default="on",
-        help="as the last stage, let stage 0 compute part of the vocabulary head for a lone stream (on)",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="as the last stage, let stage 0 compute part of the vocabulary head for a lone stream: "
+        "while it measurably pays (auto), always (on) or never (off)",
     )
     st = sub.add_parser("status", help="show this node, its peers and the coordinator, as the local agent sees them")
     st.add_argument("--api-port", type=port_type, default=None, help="the local agent's status API port")
@@ -80,7 +81,7 @@ def run_agent(args: argparse.Namespace) -> int:
         device=args.device,
         threads=args.threads,
         spin_ms=max(0.0, args.spin_ms),
-        head_help=args.head_help == "on",
+        head_help=args.head_help,
         standalone=args.standalone,
     )
     try:

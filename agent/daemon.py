@@ -54,7 +54,7 @@ class DaemonOptions:
     device: str = "AUTO"
     threads: int | None = None
     spin_ms: float = 50.0
-    head_help: bool = True
+    head_help: str = "auto"  # "auto", "on" or "off"
     standalone: bool = False
     timing: Timing = field(default_factory=Timing)
 

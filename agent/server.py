@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
@@ -120,6 +121,7 @@ class AgentRuntime:
         """This stage's part of the head is done: combine with stage 0's, now or when it comes."""
         key = (wait.fwd.stream, wait.fwd.seq)
         assert self._aloop is not None
+        wait.done_at = time.monotonic()
         timer = self._aloop.call_later(HEAD_TIMEOUT_S, self._head_timeout, key)
         self._heads[key] = (wait, timer)
         top = self._tops.pop(key, None)
@@ -135,6 +137,7 @@ class AgentRuntime:
         """The step's token: stage 0's rows come first, so on a tie its id wins (as argmax's)."""
         wait, timer = self._heads.pop(key)
         timer.cancel()
+        self.host.note_head_round((time.monotonic() - wait.done_at) * 1000, wait.gain_ms)
         assert wait.top is not None
         values, ids = wait.top
         if len(top.ids) != len(ids):

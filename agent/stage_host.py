@@ -13,7 +13,7 @@ import json
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,21 @@ from agent.runtime.stage import Stage, StageError, Stream
 
 log = logging.getLogger(__name__)
 MAX_STREAMS = 256
+HEAD_WINDOW = 8  # split-head rounds remembered to decide whether splitting pays
+HEAD_PROBE_EVERY = 32  # while it does not, one step in this many still splits, to re-measure
+
+
+def head_split_pays(rounds: Iterable[tuple[float, float]]) -> bool:
+    """Whether to split a lone stream's head, given recent split rounds as (``late_ms``: how long
+    after its own part the last stage waited for stage 0's, ``gain_ms``: what stage 0's rows
+    would have cost it). Split while there is no history; else when the typical wait is the
+    smaller (a slow link to stage 0, or a busy stage 0, makes the wait the larger)."""
+    seen = list(rounds)
+    if not seen:
+        return True
+    return statistics.median(r[0] for r in seen) < statistics.median(r[1] for r in seen)
+
+
 STAGE_FILES = ("model.xml", "model.bin")
 OPTIONAL_FILES = ("head.xml", "head.bin")  # a part of the vocabulary head (manifest "head_part")
 
@@ -52,18 +67,22 @@ class HeadWait:
     busy_ms: float
     hidden: np.ndarray  # float32 [1, 1, H]
     trunk_ms: float = 0.0  # the layers' time
+    gain_ms: float = 0.0  # what stage 0's part saves this stage (its rows at this stage's speed)
+    done_at: float = 0.0  # when this stage's own part was back on the event loop (monotonic)
     top: tuple[np.ndarray, np.ndarray] | None = None
 
 
 class StageHost:
     def __init__(
-        self, *, device: str = "AUTO", threads: int | None = None, spin_ms: float = 50.0, head_help: bool = True
+        self, *, device: str = "AUTO", threads: int | None = None, spin_ms: float = 50.0, head_help: str = "auto"
     ) -> None:
         self.device = device
         self.threads = threads
         self.head_help = head_help  # whether a last stage may ask stage 0 for part of the head
         self.loop_up: Callable[[], bool] = lambda: False  # whether the link back to stage 0 is up (set by the server)
         self.head_steps = 0  # steps whose head was computed in two parts
+        self.head_rounds: collections.deque[tuple[float, float]] = collections.deque(maxlen=HEAD_WINDOW)
+        self._head_skipped = 0
         self.term_seen = 0
         self.assignment: Assign | None = None
         self.stage: Stage | None = None
@@ -172,7 +191,7 @@ class StageHost:
         no stage it passed holds another stream)."""
         stage = self.stage
         return (
-            self.head_help
+            self.head_help != "off"
             and stage is not None
             and stage.last
             and stage.hidden_out
@@ -184,7 +203,21 @@ class StageHost:
             and fwd.sampling.temperature == 0.0
             and max(fwd.ring_streams, len(self.streams)) == 1
             and self.loop_up()
+            and (self.head_help == "on" or self._split_pays())
         )
+
+    def _split_pays(self) -> bool:
+        if head_split_pays(self.head_rounds):
+            return True
+        self._head_skipped += 1
+        if self._head_skipped < HEAD_PROBE_EVERY:
+            return False
+        self._head_skipped = 0
+        return True
+
+    def note_head_round(self, late_ms: float, gain_ms: float) -> None:
+        """A split step's outcome (on the event loop): see :func:`head_split_pays`."""
+        self.head_rounds.append((late_ms, gain_ms))
 
     def process(self, fwd: Fwd, payload: memoryview) -> Output | HeadWait:
         """Run one Fwd frame (on the compute thread). Raises ProtocolError for bad input.
@@ -300,6 +333,7 @@ class StageHost:
         self.compute_s += dt
         a, b = stage.head_rows
         self.recent_ms.append(wait.trunk_ms + dt * 1000 * stage.vocab_size / (b - a))
+        wait.gain_ms = dt * 1000 * a / (b - a)  # stage 0's rows, had this stage computed them
 
     def head_part(self, msg: Head, payload: memoryview) -> HeadTop:
         """Stage 0's rows of the vocabulary head for a last stage's step (on the compute thread)."""

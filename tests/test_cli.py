@@ -33,6 +33,7 @@ from tests.conftest import run_cli
         (["bench", "prefill", "--stages", "1,2"], "pieces only overlap on 2 stages or more"),
         (["bench", "prefill", "--stages", "2", "--cores-per-node", "64"], "2 nodes x 64 cores need 128 cores"),
         (["bench", "pipeline", "--spin-ms=50,-1"], "--spin-ms: no negative values"),
+        (["bench", "pipeline", "--head-help=auto,maybe"], "--head-help: auto, on or off"),
         (["serve", "--nodes", "127.0.0.1:7700", "--spec-k", "3"], "--spec-k needs --draft"),
         (["serve", "--nodes", "127.0.0.1:7700", "--draft", "lookup", "--spec-k", "many"], "expected auto or a number"),
         (["serve", "--nodes", "127.0.0.1:7700", "--link-mbps", "-5"], "--link-mbps must not be negative"),

@@ -229,17 +229,17 @@ def prepare(args: argparse.Namespace) -> Setup:
     return Setup(model, weights, opts, stages, node_cores, whole.dir)
 
 
-def _on_off(v: str) -> list[bool]:
+def _head_helps(v: str) -> list[str]:
     words = [w.strip() for w in v.split(",") if w.strip()]
-    if not words or any(w not in ("on", "off") for w in words):
-        raise BenchError(f"--head-help: on, off or both (on,off), not {v!r}")
-    return [w == "on" for w in words]
+    if not words or any(w not in ("auto", "on", "off") for w in words):
+        raise BenchError(f"--head-help: auto, on or off, or several (auto,off), not {v!r}")
+    return words
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if any(x < 0 for x in _floats(args.spin_ms)):
         raise BenchError("--spin-ms: no negative values")
-    _on_off(args.head_help)
+    _head_helps(args.head_help)
     setup = prepare(args)
     model, weights, opts, node_cores = setup.model, setup.weights, setup.opts, setup.node_cores
     prompt = _prompt(model, setup.whole_dir, args.prompt_tokens)
@@ -265,10 +265,10 @@ def _rows(
     together = _together(monos, args.tokens, args.runs) if len(monos) > 1 else None
     rows: list[dict[str, Any]] = []
     term = 0
-    spins, helps = _floats(args.spin_ms), _on_off(args.head_help)
+    spins, helps = _floats(args.spin_ms), _head_helps(args.head_help)
     for s, spin, help_ in itertools.product(stages, spins, helps):
         # CPU on every node, like the monolithic run: the comparison is of cores, not devices
-        agent_args = ["--spin-ms", f"{spin:g}", "--head-help", "on" if help_ else "off"]
+        agent_args = ["--spin-ms", f"{spin:g}", "--head-help", help_]
         with LocalCluster(s, cores=node_cores[:s], threads=c, device="CPU", agent_args=agent_args) as cluster:
             for delay in delays:
                 loops = {"on": [True], "off": [False], "both": [False, True]}[args.ring_loop]
@@ -311,7 +311,7 @@ def _rows(
                     _say(
                         f"{s} stages x {k} streams, {delay:g} ms/hop{'' if ids_only else ' (logits back)'}"
                         f"{', ring loop' if ring_loop else ''}{f', spin {spin:g} ms' if len(spins) > 1 else ''}"
-                        f"{(', head help ' + ('on' if help_ else 'off')) if len(helps) > 1 else ''}: "
+                        f"{f', head help {help_}' if len(helps) > 1 else ''}: "
                         f"{row['tok_s']:.2f} tok/s, {row['ratio']:.3f}x "
                         f"(pipeline runs {[round(x, 2) for x in res.tok_s]}, "
                         f"monolithic after each {[round(x, 2) for x in res.mono_tok_s]})"
