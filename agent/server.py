@@ -111,8 +111,8 @@ class AgentRuntime:
                 self._tops[key] = msg
                 while len(self._tops) > 64:
                     self._tops.pop(next(iter(self._tops)))
-        elif isinstance(msg, Error) and msg.stream is not None and (msg.stream, msg.seq or 0) in self._heads:
-            self._heads.pop((msg.stream, msg.seq or 0))[1].cancel()
+        elif isinstance(msg, Error) and (failed := self._heads.pop((msg.stream or "", msg.seq or -1), None)):
+            failed[1].cancel()
             self.spawn(self.report(ProtocolError(msg.code, f"stage 0: {msg.message}", msg.stream, msg.seq), None))
         else:
             await self._on_next_reply(frame)

@@ -341,17 +341,9 @@ class StageHost:
         assert stage is not None
         if stage.head_rows is None or not stage.first:
             raise ProtocolError("no_head_part", "this stage holds no part of the vocabulary head", msg.stream, msg.seq)
-        need = msg.n * stage.hidden_size * 4
-        if len(payload) != need:
-            raise ProtocolError(
-                "bad_payload",
-                f"payload has {len(payload)} bytes; {msg.n} positions of f32 x {stage.hidden_size} need {need}",
-                msg.stream,
-                msg.seq,
-            )
-        hidden = np.frombuffer(payload, dtype="<f4").reshape(1, msg.n, stage.hidden_size)
+        hidden = tensor(msg, payload, stage.hidden_size)
         try:
-            values, ids = stage.head_top(np.array(hidden))
+            values, ids = stage.head_top(hidden)
         except (StageError, RuntimeError) as e:
             raise ProtocolError("bad_input", str(e), msg.stream, msg.seq) from None
         return HeadTop(

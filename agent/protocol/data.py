@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -279,8 +279,21 @@ class Assigned(Message):
 register(Fwd, Ids, Passed, Close, Error, Assign, Assigned)
 
 
-def tensor(fwd: Fwd, payload: memoryview, width: int) -> np.ndarray:
-    """The Fwd payload as an array of shape [1, n] (width 0: token ids) or [1, n, width]."""
+class Step(Protocol):
+    """A frame whose payload is ``n`` positions of ``dtype`` for step ``seq`` of ``stream``."""
+
+    @property
+    def n(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def stream(self) -> str: ...
+    @property
+    def seq(self) -> int: ...
+
+
+def tensor(fwd: Step, payload: memoryview, width: int) -> np.ndarray:
+    """The payload (a Fwd's, a Head's) as an array of shape [1, n] (width 0: token ids) or [1, n, width]."""
     dt = DTYPES[fwd.dtype]
     shape = (1, fwd.n) if width == 0 else (1, fwd.n, width)
     need = int(np.prod(shape)) * dt.itemsize

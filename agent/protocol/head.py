@@ -41,6 +41,7 @@ class Head(_HeadStep):
     """Last stage -> stage 0: final hidden states (payload: float32 [1, n, hidden]) of ``seq``."""
 
     TYPE: ClassVar[str] = "head"
+    dtype: ClassVar[str] = "f32"  # the payload's: hidden states go as float32
     n: int
 
     @classmethod

@@ -172,7 +172,9 @@ class Stage:
         h, w = hidden, self.hidden_size
         if h.dtype != np.float32 or h.ndim != 3 or h.shape[0] != 1 or h.shape[2] != w:
             raise StageError(f"the head part takes float32 [1, n, {w}], got {h.dtype} {h.shape}")
-        self._head.set_tensor("hidden_states", _shared(hidden))
+        # a tensor over memory that stays alive until the inference is done (a read-only view is copied)
+        x = h if h.flags.c_contiguous and h.flags.writeable else np.array(h, order="C")
+        self._head.set_tensor("hidden_states", ov.Tensor(x, shared_memory=True))
         self._head.infer()
         return self._head.get_tensor("top_values").data[0].copy(), self._head.get_tensor("top_ids").data[0].copy()
 
