@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     from agent.cli_agent import add_parsers
 
     add_parsers(sub, _port, _positive_int)
+    from gui.app import add_parser as add_tray_parser
+
+    add_tray_parser(sub)
 
     sv = sub.add_parser("serve", help="coordinate a pipeline over agents and serve the OpenAI-compatible API")
     sv.add_argument("--nodes", required=True, type=_nodes, help="agents as host:port,host:port,... in stage order")
@@ -332,6 +335,12 @@ def _dispatch(args: argparse.Namespace) -> int:
             return run_agent(args) if args.cmd == "agent" else run_status(args)
         except AgentCliError as e:
             raise CliError(str(e)) from None
+    if args.cmd == "tray":
+        try:
+            from gui.app import run_tray
+        except ImportError as e:
+            raise CliError(f"the tray needs the GUI extra (pip install 'lakeshard[gui]'): {e}") from None
+        return run_tray(args)
     if args.cmd == "serve":
         return _serve(args)
     if args.cmd == "chat":

@@ -47,6 +47,9 @@ def add_parsers(sub: Any, port_type: Any, positive_int: Any) -> None:
     st = sub.add_parser("status", help="show this node, its peers and the coordinator, as the local agent sees them")
     st.add_argument("--api-port", type=port_type, default=None, help="the local agent's status API port")
     st.add_argument("--json", action="store_true", help="print the raw JSON of /v1/node and /v1/cluster")
+    st.add_argument(
+        "--watch", action="store_true", help="follow the coordinator's event stream: a line per change, until ^C"
+    )
 
 
 def run_agent(args: argparse.Namespace) -> int:
@@ -72,6 +75,9 @@ def run_agent(args: argparse.Namespace) -> int:
     except ConfigError as e:
         raise AgentCliError(str(e)) from None
     from agent.daemon import DaemonOptions, run_daemon
+    from agent.logs import set_file_level
+
+    set_file_level(settings.log_level)
     from agent.identity import StateError
     from agent.runtime.device import choose_device
 
@@ -85,7 +91,7 @@ def run_agent(args: argparse.Namespace) -> int:
         standalone=args.standalone,
     )
     try:
-        run_daemon(settings, opts)
+        run_daemon(settings, opts, args.config)
     except (StateError, OSError) as e:
         raise AgentCliError(str(e)) from None
     return 0
@@ -115,6 +121,8 @@ def run_status(args: argparse.Namespace) -> int:
         except ConfigError as e:
             raise AgentCliError(str(e)) from None
     node, cluster = _get(port, "/v1/node"), _get(port, "/v1/cluster")
+    if args.watch:
+        return watch(port, as_json=args.json)
     if args.json:
         print(json.dumps({"node": node, "cluster": cluster}, indent=2))
         return 0
@@ -182,3 +190,74 @@ def format_status(node: dict[str, Any], cluster: dict[str, Any]) -> str:
         last = hist[-1]
         lines.append(f"coordinator since {time.strftime('%H:%M:%S', time.localtime(last['at']))} (term {last['term']})")
     return "\n".join(lines)
+
+
+def watch(port: int, as_json: bool = False) -> int:
+    """``status --watch``: the cluster event stream (through the local agent), one line an event."""
+    import asyncio
+
+    import aiohttp
+
+    from agent.protocol.codec import ProtocolError
+    from agent.protocol.events import MAX_EVENT_BYTES, apply_event, parse_event
+
+    async def follow() -> None:
+        view = None
+        url = f"http://127.0.0.1:{port}/v1/cluster/events"
+        async with aiohttp.ClientSession() as s, s.ws_connect(url, max_msg_size=MAX_EVENT_BYTES) as ws:
+            async for m in ws:
+                if m.type != aiohttp.WSMsgType.TEXT:
+                    break
+                if as_json:
+                    print(m.data, flush=True)
+                    continue
+                try:
+                    ev = parse_event(m.data)
+                except ProtocolError as e:
+                    print(f"(an event that does not parse: {e})", flush=True)
+                    continue
+                view = apply_event(view, ev)
+                print(event_line(ev), flush=True)
+
+    try:
+        asyncio.run(follow())
+    except (aiohttp.ClientError, OSError) as e:
+        raise AgentCliError(f"no agent answers on 127.0.0.1:{port} ({e}); start one with 'lakeshard agent'") from None
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def event_line(ev: Any) -> str:
+    """One event as a line of ``status --watch`` (pure)."""
+    from agent.protocol import events as E
+
+    t = time.strftime("%H:%M:%S", time.localtime(ev.at))
+    if isinstance(ev, E.Snapshot):
+        v = ev.view
+        stages = " -> ".join(f"{n}" for n in v.ring) or "no stages"
+        return (
+            f"{t} snapshot: cluster {v.cluster}, coordinator {v.coordinator or 'none'} (term {v.term}), "
+            f"{len(v.nodes)} node(s), {v.model or 'no model'} {v.service}: {stages}"
+        )
+    if isinstance(ev, E.NodeJoined | E.NodeChanged):
+        n = ev.node
+        what = "joined" if isinstance(ev, E.NodeJoined) else "changed " + ",".join(ev.changed)
+        layers = f" layers {n.layers[0]}..{n.layers[1] - 1}" if n.layers else ""
+        why = f" ({n.reason})" if n.reason else ""
+        return f"{t} node {n.node} ({n.name}) {what}: {n.role}, {n.state}{why}{layers}, {n.tok_s:.0f} tok/s"
+    if isinstance(ev, E.NodeLeft):
+        return f"{t} node {ev.node} ({ev.name}) left"
+    if isinstance(ev, E.PlanChanged):
+        ring = ", ".join(f"{n} {a}..{b - 1}" for n, (a, b) in zip(ev.ring, ev.layers, strict=True))
+        return f"{t} plan {ev.service} (term {ev.term}): {ring or 'no stages'}"
+    if isinstance(ev, E.Failover):
+        return f"{t} failover: lost {ev.lost}, resumed in {ev.seconds:.1f} s (term {ev.term})"
+    if isinstance(ev, E.CoordinatorLost):
+        return f"{t} coordinator {ev.coordinator or '?'} lost; waiting for the next"
+    if isinstance(ev, E.StreamStarted):
+        return f"{t} stream {ev.stream} started: {ev.prompt_tokens} prompt tokens"
+    if isinstance(ev, E.StreamFinished):
+        rate = f", {ev.tok_s:.1f} tok/s" if ev.tok_s else ""
+        return f"{t} stream {ev.stream} {ev.outcome}: {ev.tokens} tokens{rate} on {', '.join(ev.nodes)}"
+    return f"{t} {ev.TYPE}"

@@ -13,6 +13,8 @@ halfway through start-up. Example::
       preferred: ["3f2a..."]             # node ids an admin pins as coordinator, best first
       exclude: ["9c1d..."]               # node ids that must never coordinate
       min_coordinator_memory_gb: 2.0
+    log_level: info     # what the log file keeps (debug, info, warning, error)
+    models_dir: /data/lakeshard-models   # where models are stored (default: the cache folder)
     serve:                               # what the elected coordinator serves (none: no model)
       model: smollm2-135m                # a store name, or a path to a GGUF / HF directory
       weights: int8
@@ -50,6 +52,8 @@ class Settings:
     exclude: frozenset[str] = field(default_factory=frozenset)
     min_coordinator_memory: int = 2 * 1024**3
     interface: str | None = None  # the address to advertise (default: every interface's)
+    log_level: str = "debug"  # what the log file keeps: debug, info, warning or error
+    models_dir: str | None = None  # where models are stored (default: the cache folder)
     serve_model: str | None = None
     serve_weights: str | None = None  # None: the model's default
     serve_api_port: int = 8000
@@ -102,7 +106,8 @@ def _section(d: dict[str, Any], key: str) -> dict[str, Any]:
     return v
 
 
-KNOWN = {"cluster_id", "port", "api_port", "discovery", "election", "interface", "serve"}
+KNOWN = {"cluster_id", "port", "api_port", "discovery", "election", "interface", "serve", "log_level", "models_dir"}
+LOG_LEVELS = ("debug", "info", "warning", "error")
 WEIGHTS = ("fp32", "fp16", "int8", "int4")
 
 
@@ -134,6 +139,12 @@ def parse(d: Any) -> Settings:
     iface = d.get("interface")
     if iface is not None and not isinstance(iface, str):
         raise ConfigError("interface: must be an IP address")
+    level = d.get("log_level", "debug")
+    if level not in LOG_LEVELS:
+        raise ConfigError(f"log_level: {level!r} must be one of {', '.join(LOG_LEVELS)}")
+    mdir = d.get("models_dir")
+    if mdir is not None and (not isinstance(mdir, str) or not mdir.strip()):
+        raise ConfigError("models_dir: must be a folder path")
     return Settings(
         cluster_id=check_cluster_id(d.get("cluster_id", "default")),
         port=_port(d, "port", 7700),
@@ -144,6 +155,8 @@ def parse(d: Any) -> Settings:
         exclude=frozenset(_nodes(elec.get("exclude"), "election.exclude")),
         min_coordinator_memory=int(mem * 1024**3),
         interface=iface,
+        log_level=level,
+        models_dir=mdir,
         serve_model=model,
         serve_weights=weights,
         serve_api_port=_port(serve, "api_port", 8000),

@@ -6,8 +6,12 @@ One process, one event loop, four parts:
 * peer messages on the same port number (UDP): beats, votes and fencing (:mod:`agent.elector`);
 * mDNS advertisement and browsing (:mod:`agent.discovery`), unless switched off, plus the
   static peers from the settings;
-* the local status API on 127.0.0.1: ``/v1/node``, ``/v1/cluster`` and
-  ``POST /v1/node/state`` (pause / resume sharing: the tray's switch).
+* the local status API on 127.0.0.1 (:mod:`agent.local_api`): this node, the cluster, the
+  pause switch, the settings, and the coordinator's chat API and event stream forwarded from
+  wherever the coordinator is (:mod:`agent.gateway`), which is all a tray needs.
+
+While this node is the elected coordinator it also runs the coordinator's services
+(:mod:`coordinator.role`): the event hub always, the pipeline and API when a model is set.
 
 ``standalone`` keeps only the stage server (a fixed pipeline driven by ``lakeshard serve``).
 """
@@ -16,36 +20,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import ipaddress
 import logging
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import psutil
 from aiohttp import web
 
 from agent import __version__
 from agent.config import Settings
 from agent.discovery import MIB, Advert, Discovery
-from agent.election import Role, Timing
+from agent.election import Role, Timing, data_term
 from agent.elector import Elector, LocalNode
+from agent.gateway import Target, add_member_routes
 from agent.identity import TermStore, node_id
+from agent.local_api import make_local_app
 from agent.paths import log_dir
-from agent.protocol.control import STATES
+from agent.protocol.events import NodeInfo
+from agent.sensors import temperature_c
 from agent.server import make_app
 from agent.stage_host import StageHost
 
 log = logging.getLogger(__name__)
-EPOCH_BITS = 20
-
-
-def data_term(election_term: int) -> int:
-    """The data-plane term of an election term: a coordinator re-plans (after a lost node) in
-    ``data_term(T) + 1``, ``+ 2`` ..., all below the next election's, so fencing holds across both."""
-    return election_term << EPOCH_BITS
+USER_PAUSE = "user"  # the reason of a pause from the status API (the tray's switch)
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,9 @@ class DaemonOptions:
 
 
 class AgentDaemon:
-    def __init__(self, settings: Settings, opts: DaemonOptions) -> None:
+    def __init__(self, settings: Settings, opts: DaemonOptions, config_path: Any = None) -> None:
         self.settings, self.opts = settings, opts
+        self.config_path = config_path  # the settings file it was started with (None: the default)
         self.node = node_id()
         # standalone agents take their term from a 'serve' coordinator, not from an election
         self.store = TermStore(persist=not opts.standalone)
@@ -74,6 +78,7 @@ class AgentDaemon:
             version=__version__,
             mem_total=psutil.virtual_memory().total,
             mem_free=lambda: int(psutil.virtual_memory().available),
+            name=socket.gethostname()[:64] or None,
         )
         self.elector: Elector | None = None
         self.discovery: Discovery | None = None
@@ -84,17 +89,30 @@ class AgentDaemon:
         self._runners: list[web.AppRunner] = []
         self._tasks: list[asyncio.Task[None]] = []
         self.services: Any = None  # coordinator.role.CoordinatorRole while this node coordinates
+        self.session: aiohttp.ClientSession | None = None  # forwarding to the coordinator
+        self.paused_until: float | None = None  # wall clock: a pause "for an hour" ends then
+        self._tokens_seen = (time.monotonic(), 0)
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def async_start(self) -> None:
+        self.session = aiohttp.ClientSession()
         public = make_app(self.host, status=self.node_status)
-        self.me.port = await self._serve(public, self.opts.host, self.settings.port)
-        local = web.Application()
-        local[DAEMON] = self
-        local.router.add_get("/v1/node", _node)
-        local.router.add_get("/v1/cluster", _cluster)
-        local.router.add_post("/v1/node/state", _set_state)
-        self.api_port = await self._serve(local, "127.0.0.1", self.settings.api_port)
+        if not self.opts.standalone:
+            add_member_routes(public, self)
+        try:
+            self.me.port = await self._serve(public, self.opts.host, self.settings.port)
+        except OSError as e:
+            raise OSError(
+                f"the data port {self.opts.host}:{self.settings.port} is taken ({e.strerror or e}); another agent may "
+                "be running: give this one another --port (or 'port' in the settings)"
+            ) from None
+        try:
+            self.api_port = await self._serve(make_local_app(self), "127.0.0.1", self.settings.api_port)
+        except OSError as e:
+            raise OSError(
+                f"the status API cannot listen on 127.0.0.1:{self.settings.api_port} ({e.strerror or e}); "
+                "another agent may be running: give this one --api-port 0 (any free port) or another number"
+            ) from None
         if not self.opts.standalone:
             self.elector = Elector(self.me, self.settings, self.store, self.opts.timing)
             self.elector.on_term = self._on_term
@@ -111,7 +129,7 @@ class AgentDaemon:
                 self._advertised = self.advert()
         self._tasks.append(asyncio.create_task(self._probe()))
         self._tasks.append(asyncio.create_task(self._refresh()))
-        if self.elector is not None and self.settings.serve_model:
+        if self.elector is not None:
             self._tasks.append(asyncio.create_task(self._coordinate()))
 
     async def _serve(self, app: web.Application, host: str, port: int) -> int:
@@ -133,6 +151,8 @@ class AgentDaemon:
             await self.elector.async_shutdown()
         for r in reversed(self._runners):
             await r.cleanup()
+        if self.session is not None:
+            await self.session.close()
 
     # -- keeping what we offer current -----------------------------------------------------------
     async def _probe(self) -> None:
@@ -149,9 +169,13 @@ class AgentDaemon:
         log.info("capacity: %s, speed %.1f GFLOP/s on %s", ",".join(self.me.devices), cap.speed_score, cap.best_device)
 
     async def _refresh(self) -> None:
-        """Re-advertise over mDNS when what we offer changed noticeably."""
+        """Keep what we offer current; re-advertise over mDNS when it changed noticeably."""
         while True:
             await asyncio.sleep(1.0)
+            self._measure()
+            if self.paused_until is not None and time.time() >= self.paused_until:
+                log.info("the pause asked for has ended: available again")
+                self.set_state("available")
             if self.discovery is None:
                 continue
             ad, old = self.advert(), self._advertised
@@ -159,6 +183,36 @@ class AgentDaemon:
                 with contextlib.suppress(Exception):
                     await self.discovery.async_update()
                 self._advertised = ad
+
+    def _measure(self) -> None:
+        t0, n0 = self._tokens_seen
+        now, n = time.monotonic(), self.host.positions
+        self.me.tok_s = round(max(0.0, n - n0) / max(now - t0, 1e-3), 1)
+        self._tokens_seen = (now, n)
+        self.me.temp_c = temperature_c()
+
+    def set_state(self, state: str, reason: str | None = None, for_s: float | None = None) -> None:
+        """Pause, limit or resume contributing (``for_s``: resume by itself after that long)."""
+        if (state, reason) != (self.me.state, self.me.reason):
+            log.info("state %s -> %s%s", self.me.state, state, f" ({reason})" if reason else "")
+        self.me.state = state
+        self.me.reason = None if state == "available" else reason
+        self.paused_until = time.time() + for_s if for_s and state != "available" else None
+
+    def apply_settings(self, new: Settings) -> list[str]:
+        """Take new settings; the election's apply at once. Returns those that need a restart."""
+        old = self.settings
+        restart = [
+            k
+            for k in ("cluster_id", "port", "api_port", "mdns", "static_peers", "interface", "serve_model")
+            if getattr(old, k) != getattr(new, k)
+        ]
+        live = {"preferred", "exclude", "min_coordinator_memory", "serve_weights", "serve_streams"}
+        kept = {k: getattr(old, k) for k in vars(old) if k not in live}
+        self.settings = type(old)(**{**vars(new), **kept})
+        if self.elector is not None:
+            self.elector.settings = self.settings
+        return restart
 
     async def _coordinate(self) -> None:
         """Run the coordinator's services while this node is the elected coordinator."""
@@ -177,7 +231,7 @@ class AgentDaemon:
             if leading and self.services is None:
                 s = self.settings
                 self.services = CoordinatorRole(
-                    model=str(s.serve_model),
+                    model=s.serve_model,
                     weights=s.serve_weights,
                     api_port=s.serve_api_port,
                     streams=s.serve_streams,
@@ -185,6 +239,8 @@ class AgentDaemon:
                     term=term,
                     my_address=f"{self._my_ip()}:{self.me.port}",
                     members=self._members,
+                    nodes=self.node_infos,
+                    cluster=s.cluster_id,
                 )
                 self.services.start()
 
@@ -217,6 +273,88 @@ class AgentDaemon:
             out.append(Member(offer, f"{p.addr[0]}:{b.port}", b.score > 0))
         return out
 
+    def node_infos(self) -> list[NodeInfo]:
+        """Every node this one hears right now (itself first), as node maps show them."""
+        e = self.elector
+        me, st = self.me, self.host.status()
+        role = str(e.role) if e else "standalone"
+        out = [
+            NodeInfo(
+                node=me.node,
+                name=me.name or me.node,
+                address=f"{self._my_ip()}:{me.port}",
+                role=role,
+                state=me.state,
+                reason=me.reason,
+                devices=me.devices,
+                mem_free=min(me.mem_free(), me.mem_total),
+                mem_total=me.mem_total,
+                score=me.score,
+                temp_c=me.temp_c,
+                tok_s=me.tok_s,
+                rtt_ms=0.0,
+                stage=st["stage"],
+                layers=tuple(st["layers"]) if st["layers"] else None,
+                version=me.version,
+            )
+        ]
+        if e is None:
+            return out
+        now = time.monotonic()
+        for p in e.peers.values():
+            b = p.beat
+            if b is None or now - p.last_heard >= e.timing.peer_timeout_s:
+                continue
+            out.append(
+                NodeInfo(
+                    node=p.node,
+                    name=b.name or p.node,
+                    address=f"{p.addr[0]}:{b.port}",
+                    role=b.role,
+                    state=b.state,
+                    reason=b.reason,
+                    devices=b.devices,
+                    mem_free=b.mem_free,
+                    mem_total=b.mem_total,
+                    score=b.score,
+                    temp_c=b.temp_c,
+                    tok_s=b.tok_s,
+                    rtt_ms=None if p.rtt_ms is None else round(p.rtt_ms, 2),
+                    version=b.version,
+                )
+            )
+        return out
+
+    def coordinator_target(self) -> Target | None:
+        """Where the coordinator's services are (see :mod:`agent.gateway`); None during an election."""
+        e = self.elector
+        if e is None:
+            return None
+        leader = e.leader()
+        if leader is None:
+            return None
+        if leader == self.node:
+            sv = self.services
+            if sv is None:
+                return None
+            return Target(self.node, api=sv.api_base(), hub=sv.hub, not_ready=sv.not_ready())
+        p = e.peers.get(leader)
+        if p is None or p.beat is None:
+            return None
+        return Target(leader, peer=f"{p.addr[0]}:{p.beat.port}")
+
+    def is_member_address(self, ip: str) -> bool:
+        """Whether ``ip`` is a live peer's (the public port serves the coordinator to members only)."""
+        e = self.elector
+        if e is None:
+            return False
+        with contextlib.suppress(ValueError):
+            addr = ipaddress.ip_address(ip)
+            if addr.version == 6 and addr.ipv4_mapped is not None:
+                ip = str(addr.ipv4_mapped)
+        now = time.monotonic()
+        return any(p.addr[0] == ip and now - p.last_heard < e.timing.peer_timeout_s for p in e.peers.values())
+
     def advert(self) -> Advert:
         m = self.me
         return Advert(m.node, m.cluster, m.version, m.devices, m.mem_free(), m.score, m.state, m.port)
@@ -233,9 +371,14 @@ class AgentDaemon:
         e = self.elector
         return {
             "node": self.node,
+            "name": self.me.name,
             "cluster": self.settings.cluster_id,
             "version": __version__,
             "state": self.me.state,
+            "reason": self.me.reason,
+            "paused_until": self.paused_until,
+            "tok_s": self.me.tok_s,
+            "temp_c": self.me.temp_c,
             "role": str(e.role) if e else "standalone",
             "term": self.store.state.term,
             "coordinator": e.leader() if e else None,
@@ -249,8 +392,17 @@ class AgentDaemon:
             "capacity": self.capacity,
             "stage": self.host.status(),
             "log_dir": str(log_dir()),
+            "config_file": str(self.config_path) if self.config_path else None,
             "started": self.started,
+            "peers": self._live_peers(),
         }
+
+    def _live_peers(self) -> int:
+        e = self.elector
+        if e is None:
+            return 0
+        now = time.monotonic()
+        return sum(1 for p in e.peers.values() if now - p.last_heard < e.timing.peer_timeout_s)
 
     def cluster_status(self) -> dict[str, Any]:
         if self.elector is None:
@@ -260,41 +412,23 @@ class AgentDaemon:
         return st
 
 
-DAEMON = web.AppKey("daemon", AgentDaemon)
-
-
 def _differs(a: Advert, b: Advert) -> bool:
     if (a.state, a.devices, round(a.score, 1)) != (b.state, b.devices, round(b.score, 1)):
         return True
     return abs(a.mem_free - b.mem_free) > max(256 * MIB, a.mem_free // 10)
 
 
-async def _node(request: web.Request) -> web.Response:
-    return web.json_response(request.app[DAEMON].node_status())
-
-
-async def _cluster(request: web.Request) -> web.Response:
-    return web.json_response(request.app[DAEMON].cluster_status())
-
-
-async def _set_state(request: web.Request) -> web.Response:
-    d = request.app[DAEMON]
+async def _started(d: AgentDaemon) -> AgentDaemon:
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return web.json_response({"error": 'the body must be JSON like {"state": "paused"}'}, status=400)
-    state = body.get("state") if isinstance(body, dict) else None
-    if state not in STATES:
-        return web.json_response({"error": f"state must be one of {', '.join(STATES)}"}, status=400)
-    if state != d.me.state:
-        log.info("state %s -> %s (from the status API)", d.me.state, state)
-        d.me.state = state
-    return web.json_response(d.node_status())
+        await d.async_start()
+    except BaseException:
+        await d.async_shutdown()  # what did start (sockets, the HTTP session) is closed again
+        raise
+    return d
 
 
-async def _main(settings: Settings, opts: DaemonOptions) -> None:
-    d = AgentDaemon(settings, opts)
-    await d.async_start()
+async def _main(settings: Settings, opts: DaemonOptions, config_path: Any = None) -> None:
+    d = await _started(AgentDaemon(settings, opts, config_path))
     mode = "standalone" if opts.standalone else f"cluster {settings.cluster_id}"
     print(
         f"lakeshard agent {d.node} ({mode}) listening on {opts.host}:{d.me.port}, status API on 127.0.0.1:{d.api_port}",
@@ -311,17 +445,16 @@ async def _main(settings: Settings, opts: DaemonOptions) -> None:
         await d.async_shutdown()
 
 
-def run_daemon(settings: Settings, opts: DaemonOptions) -> None:
+def run_daemon(settings: Settings, opts: DaemonOptions, config_path: Any = None) -> None:
     from agent.aio import run
 
-    run(_main(settings, opts))
+    run(_main(settings, opts, config_path))
 
 
 @contextlib.asynccontextmanager
 async def running(settings: Settings, opts: DaemonOptions) -> AsyncIterator[AgentDaemon]:
     """A daemon inside the current event loop (for tests on real loopback sockets)."""
-    d = AgentDaemon(settings, opts)
-    await d.async_start()
+    d = await _started(AgentDaemon(settings, opts))
     try:
         yield d
     finally:

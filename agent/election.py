@@ -25,6 +25,14 @@ from dataclasses import dataclass
 
 from agent.config import Settings
 
+EPOCH_BITS = 20
+
+
+def data_term(election_term: int) -> int:
+    """The data-plane term of an election term: a coordinator re-plans (after a lost node) in
+    ``data_term(T) + 1``, ``+ 2`` ..., all below the next election's, so fencing holds across both."""
+    return election_term << EPOCH_BITS
+
 
 class Role(enum.StrEnum):
     FOLLOWER = "follower"

@@ -55,6 +55,10 @@ class LocalNode:
     state: str = "available"
     score: float = 0.0
     devices: tuple[str, ...] = ("CPU",)
+    name: str | None = None  # host name, for node maps
+    reason: str | None = None  # why it is limited or paused
+    temp_c: float | None = None
+    tok_s: float = 0.0
 
 
 @dataclass
@@ -67,6 +71,7 @@ class Peer:
     last_advert: float = float("-inf")  # monotonic; mDNS
     last_led: float = float("-inf")  # monotonic; its last beat as a coordinator
     beat: Beat | None = None
+    rtt_ms: float | None = None  # while we coordinate: beat -> acknowledgement, smoothed
 
     def standing(self) -> Standing:
         b = self.beat
@@ -105,6 +110,7 @@ class Elector:
         self.refused = 0
         self.dropped = 0
         self._last_beat = float("-inf")
+        self._beat_sent: float | None = None  # when our last beat as coordinator left (for round trips)
         self._transport: asyncio.DatagramTransport | None = None
         self._task: asyncio.Task[None] | None = None
         self._drop_logged = 0.0
@@ -260,7 +266,12 @@ class Elector:
             devices=self.me.devices,
             version=self.me.version,
             followers=alive_followers if self.role is Role.COORDINATOR else 0,
+            name=self.me.name,
+            reason=self.me.reason,
+            temp_c=self.me.temp_c,
+            tok_s=self.me.tok_s,
         )
+        self._beat_sent = now if self.role is Role.COORDINATOR else None
         for addr in self._targets():
             self._send(beat, addr)
 
@@ -404,7 +415,11 @@ class Elector:
         if self.role is not Role.COORDINATOR:
             return
         if a.accepted and a.term == ts.term:
-            self.followers[a.node] = time.monotonic()
+            now = time.monotonic()
+            self.followers[a.node] = now
+            if self._beat_sent is not None and now - self._beat_sent < self.timing.beat_s:
+                rtt = (now - self._beat_sent) * 1000
+                p.rtt_ms = rtt if p.rtt_ms is None else 0.7 * p.rtt_ms + 0.3 * rtt
             return
         if a.term < ts.term:
             return  # an answer to an older beat
@@ -454,6 +469,9 @@ class Elector:
                     "mem_free": b.mem_free if b else None,
                     "devices": list(b.devices) if b else [],
                     "version": b.version if b else None,
+                    "name": b.name if b else None,
+                    "reason": b.reason if b else None,
+                    "rtt_ms": None if p.rtt_ms is None else round(p.rtt_ms, 2),
                 }
             )
         leader = self.leader(now)

@@ -25,3 +25,10 @@ def setup_logging(verbose: bool = False, name: str = "lakeshard") -> None:
     root.addHandler(sh)
     for noisy in ("urllib3", "filelock", "nncf", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def set_file_level(level: str) -> None:
+    """What the log file keeps from now on (``log_level`` in the settings)."""
+    for h in logging.getLogger().handlers:
+        if getattr(h, "_lakeshard", False) and isinstance(h, logging.FileHandler):
+            h.setLevel(getattr(logging, level.upper(), logging.DEBUG))

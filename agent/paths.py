@@ -54,8 +54,22 @@ def _shared_cache() -> Path:
     return Path(v).expanduser() if v else cache_dir()
 
 
+def _configured_models_dir() -> Path | None:
+    """``models_dir`` from config.yaml, if set (the agent checks the file itself; here a bad one is ignored)."""
+    f = config_dir() / "config.yaml"
+    try:
+        import yaml
+
+        v = (yaml.safe_load(f.read_text(encoding="utf-8")) or {}).get("models_dir") if f.is_file() else None
+    except Exception:
+        return None
+    return Path(v).expanduser() if isinstance(v, str) and v.strip() else None
+
+
 def models_dir() -> Path:
-    p = _shared_cache() / "models"
+    """Where models are stored: LAKESHARD_MODELS_DIR, else config.yaml's models_dir, else the cache."""
+    env = os.environ.get("LAKESHARD_MODELS_DIR")
+    p = Path(env).expanduser() if env else (_configured_models_dir() or _shared_cache() / "models")
     p.mkdir(parents=True, exist_ok=True)
     return p
 
@@ -74,11 +88,16 @@ def compiled_cache_dir() -> Path:
 
 def write_json_atomic(path: Path, data: Any, **dump: Any) -> None:
     """Write JSON so that readers see the old file or the new one, never half of it (even after a crash)."""
+    write_text_atomic(path, json.dumps(data, **dump))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write a text file so that readers see the old file or the new one, never half of it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, **dump)
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -91,6 +91,7 @@ class StageHost:
         self.closed: collections.OrderedDict[str, None] = collections.OrderedDict()  # recently closed streams
         self.compute = ComputeThread(spin_s=spin_ms / 1000.0)
         self.frames = 0
+        self.positions = 0  # positions computed (prompt and generated tokens)
         self.errors = 0
         self.compute_s = 0.0  # time spent in inference (on the compute thread)
         self.recent_ms: collections.deque[float] = collections.deque(maxlen=256)
@@ -261,6 +262,7 @@ class StageHost:
             e.stream, e.seq = fwd.stream, fwd.seq
             raise
         self.frames += 1
+        self.positions += fwd.n
         busy_ms = max(fwd.busy_ms, dt * 1000)  # the ring's bottleneck so far
         if not stage.last:
             assert out.hidden is not None
@@ -386,6 +388,8 @@ class StageHost:
             "stage": None if a is None else a.stage,
             "stages": None if a is None else a.stages,
             "layers": None if s is None else list(s.layers),
+            "model": None if s is None else s.manifest.get("model", {}).get("name"),
+            "model_layers": None if s is None else s.manifest.get("model", {}).get("layers"),
             "device": None if s is None else s.device,
             "streams": len(self.streams),
             "frames": self.frames,

@@ -6,17 +6,21 @@ disconnects mid-stream cancels its generation and frees its stream on every stag
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
+from agent.eventstream import EventHub, async_serve_events
+from agent.gateway import json_errors
 from agent.protocol import SamplingSpec
+from agent.protocol.events import StreamFinished, StreamStarted
 from agent.runtime.tokenizer import ChatTokenizer
 from coordinator.pipeline import PipelineError
 from coordinator.scheduler import GenRequest, Scheduler
@@ -32,6 +36,8 @@ class ApiState:
     api_key: str | None = None
     max_tokens_limit: int = 8192
     context_limit: int = 32768
+    events: EventHub | None = None  # the cluster event stream (streams started and finished)
+    served_by: Callable[[], list[str]] = field(default=lambda: [])  # the plan's nodes, in stage order
 
 
 STATE = web.AppKey("api_state", ApiState)
@@ -61,6 +67,13 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response(
         {"object": "list", "data": [{"id": st.model, "object": "model", "created": 0, "owned_by": "lakeshard"}]}
     )
+
+
+async def cluster_events(request: web.Request) -> web.StreamResponse:
+    hub = request.app[STATE].events
+    if hub is None:
+        return _error(404, "this coordinator publishes no event stream", code="not_found")
+    return await async_serve_events(request, hub)
 
 
 def _num(body: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
@@ -152,7 +165,40 @@ class StopMatcher:
         return out
 
 
-async def _tokens(st: ApiState, ids: list[int], opts: dict[str, Any]) -> AsyncIterator[tuple[str, str | None]]:
+@dataclass
+class Tally:
+    """One answer's figures: what the client is told (``lakeshard`` field) and the event stream."""
+
+    stream: str
+    t0: float = field(default_factory=time.perf_counter)
+    first: float | None = None
+    last: float | None = None
+    tokens: int = 0
+
+    def token(self) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        self.last = now
+        self.tokens += 1
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first is None else round(self.first - self.t0, 4)
+
+    @property
+    def tok_s(self) -> float | None:
+        if self.first is None or self.last is None or self.tokens < 2 or self.last <= self.first:
+            return None
+        return round((self.tokens - 1) / (self.last - self.first), 2)
+
+    def report(self, nodes: list[str]) -> dict[str, Any]:
+        return {"ttft_s": self.ttft_s, "tok_s": self.tok_s, "completion_tokens": self.tokens, "nodes": nodes}
+
+
+async def _tokens(
+    st: ApiState, ids: list[int], opts: dict[str, Any], tally: Tally
+) -> AsyncGenerator[tuple[str, str | None], None]:
     """(text delta, finish reason once at the end)."""
     req = GenRequest(
         prompt=tuple(ids),
@@ -167,6 +213,7 @@ async def _tokens(st: ApiState, ids: list[int], opts: dict[str, Any]) -> AsyncIt
     try:
         async for tok in gen:
             n += 1
+            tally.token()
             piece = stop.push(dec.push(tok))
             if piece:
                 yield piece, None
@@ -181,12 +228,25 @@ async def _tokens(st: ApiState, ids: list[int], opts: dict[str, Any]) -> AsyncIt
     yield "", "length" if n >= opts["max_tokens"] else "stop"
 
 
+def _model_error(body: Any, st: ApiState) -> web.Response | None:
+    """OpenAI answers a model it does not serve with 404 ``model_not_found``; so do we."""
+    model = body.get("model") if isinstance(body, dict) else None
+    if model is None or model == st.model:
+        return None
+    if not isinstance(model, str):
+        return _error(400, "model must be a string")
+    return _error(404, f"the model {model!r} does not exist here; served: {st.model}", code="model_not_found")
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     try:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
         return _error(400, "the request body is not valid JSON")
+    bad_model = _model_error(body, st)
+    if bad_model is not None:
+        return bad_model
     try:
         msgs, opts = parse_chat_request(body, st)
         ids = st.tokenizer.chat_ids(msgs)
@@ -194,61 +254,109 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return _error(400, str(e))
     if len(ids) + opts["max_tokens"] > st.context_limit:
         return _error(400, f"prompt ({len(ids)} tokens) plus max_tokens exceeds the context of {st.context_limit}")
+    so = body.get("stream_options")
+    include_usage = isinstance(so, dict) and so.get("include_usage") is True
     cid = f"chatcmpl-{secrets.token_hex(12)}"
-    created = int(time.time())
-    base = {"id": cid, "created": created, "model": st.model}
-    if not opts["stream"]:
-        parts, finish = [], "stop"
-        try:
-            async for piece, fin in _tokens(st, ids, opts):
+    tally = Tally(cid)
+    base = {"id": cid, "created": int(time.time()), "model": st.model}
+    if st.events is not None:
+        st.events.publish(StreamStarted(time.time(), cid, len(ids), opts["max_tokens"]))
+    outcome = "cancelled"  # until it ends otherwise (a client that leaves cancels it)
+    try:
+        if opts["stream"]:
+            resp, outcome = await _stream(request, st, ids, opts, tally, base, include_usage)
+            return resp
+        resp, outcome = await _whole(st, ids, opts, tally, base)
+        return resp
+    finally:
+        if st.events is not None:
+            st.events.publish(
+                StreamFinished(
+                    time.time(),
+                    cid,
+                    tally.tokens,
+                    round(time.perf_counter() - tally.t0, 4),
+                    tally.ttft_s,
+                    tally.tok_s,
+                    outcome,
+                    tuple(st.served_by()),
+                )
+            )
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _whole(
+    st: ApiState, ids: list[int], opts: dict[str, Any], tally: Tally, base: dict[str, Any]
+) -> tuple[web.Response, str]:
+    parts, finish = [], "stop"
+    try:
+        async with contextlib.aclosing(_tokens(st, ids, opts, tally)) as gen:
+            async for piece, fin in gen:
                 parts.append(piece)
                 finish = fin or finish
-        except PipelineError as e:
-            return _error(503, f"generation failed: {e}", "server_error", e.code)
-        text = "".join(parts)
-        usage_out = len(st.tokenizer.encode(text)) if text else 0
-        return web.json_response(
-            {
-                **base,
-                "object": "chat.completion",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
-                "usage": {
-                    "prompt_tokens": len(ids),
-                    "completion_tokens": usage_out,
-                    "total_tokens": len(ids) + usage_out,
-                },
-            }
-        )
+    except PipelineError as e:
+        return _error(503, f"generation failed: {e}", "server_error", e.code), "error"
+    body = {
+        **base,
+        "object": "chat.completion",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)}, "finish_reason": finish}],
+        "usage": _usage(len(ids), tally.tokens),
+        "lakeshard": tally.report(st.served_by()),
+    }
+    return web.json_response(body), "done"
+
+
+async def _stream(
+    request: web.Request,
+    st: ApiState,
+    ids: list[int],
+    opts: dict[str, Any],
+    tally: Tally,
+    base: dict[str, Any],
+    include_usage: bool,
+) -> tuple[web.StreamResponse, str]:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
 
-    async def send(delta: dict[str, Any], finish: str | None = None) -> None:
+    async def send(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> None:
         chunk = {
             **base,
             "object": "chat.completion.chunk",
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            **extra,
         }
         await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
 
     try:
         await send({"role": "assistant", "content": ""})
-        async for piece, fin in _tokens(st, ids, opts):
-            if piece:
-                await send({"content": piece})
-            if fin:
-                await send({}, fin)
+        async with contextlib.aclosing(_tokens(st, ids, opts, tally)) as gen:
+            async for piece, fin in gen:
+                if piece:
+                    await send({"content": piece})
+                if fin:
+                    await send({}, fin, lakeshard=tally.report(st.served_by()))
+        if include_usage:
+            usage = {**base, "object": "chat.completion.chunk", "choices": [], "usage": _usage(len(ids), tally.tokens)}
+            await resp.write(f"data: {json.dumps(usage)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
     except PipelineError as e:
         err = {"error": {"message": f"generation failed: {e}", "type": "server_error", "code": e.code}}
-        await resp.write(f"data: {json.dumps(err)}\n\n".encode())
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await resp.write(f"data: {json.dumps(err)}\n\n".encode())
+        return resp, "error"
     except (ConnectionResetError, ConnectionError):
-        log.info("client went away: generation %s cancelled", cid)
-    return resp
+        log.info("client went away: generation %s cancelled", tally.stream)
+        return resp, "cancelled"
+    return resp, "done"
 
 
 def make_api_app(state: ApiState) -> web.Application:
-    app = web.Application(middlewares=[auth_middleware], client_max_size=8 * 1024 * 1024)
+    app = web.Application(middlewares=[json_errors, auth_middleware], client_max_size=8 * 1024 * 1024)
     app[STATE] = state
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/cluster/events", cluster_events)
     return app

@@ -1,6 +1,8 @@
-"""The elected coordinator's services inside the agent daemon: plan, assign, serve.
+"""The elected coordinator's services inside the agent daemon: plan, assign, serve, publish.
 
-When the local agent wins the election and the settings name a model to serve, this plans
+While the local agent is the elected coordinator, this publishes the cluster's event stream
+(:class:`agent.eventstream.EventHub`: nodes, plan, failovers, streams). When the settings
+also name a model to serve, it plans
 a split over the nodes it hears (capacity-aware: free memory, speed, throttle state), hands
 each agent its stage with the election's term (agents download only their own stage's files
 over HTTP, sha256-verified and cached by content hash), and serves the OpenAI-compatible API
@@ -14,13 +16,16 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from agent.daemon import data_term
+from agent.election import data_term
+from agent.eventstream import EventHub
 from agent.export.exporter import ExportOptions
 from agent.models.registry import REGISTRY
 from agent.models.store import ModelStore
+from agent.protocol.events import ClusterView, NodeInfo
 from coordinator.planner import NodeOffer, Plan, PlanError, footprint, plan_pipeline
 from coordinator.serve import Coordinator, ServeConfig
 
@@ -41,7 +46,7 @@ class CoordinatorRole:
     def __init__(
         self,
         *,
-        model: str,
+        model: str | None,
         weights: str | None,
         api_port: int,
         streams: int,
@@ -49,6 +54,8 @@ class CoordinatorRole:
         term: int,
         my_address: str,
         members: Any,  # () -> list[Member]: the nodes heard right now, this one included
+        nodes: Callable[[], list[NodeInfo]] = lambda: [],  # the same, as node maps show them
+        cluster: str = "default",
     ) -> None:
         self.model_ref, self.weights, self.api_port = model, weights, api_port
         self.streams, self.exact, self.term = streams, exact, term
@@ -58,21 +65,28 @@ class CoordinatorRole:
         self.plan: Plan | None = None
         self.addresses: dict[str, str] = {}
         self.error: str | None = None
-        self.state = "planning"
+        self.state = "planning" if model else "no model"
         self.started = time.time()
         self._task: asyncio.Task[None] | None = None
+        self.nodes = nodes
+        self.cluster = cluster
+        self.hub = EventHub(self.cluster_view)
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
+        self.hub.start()
+        if self.model_ref:
+            self._task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
+        ref = self.model_ref
+        assert ref is not None
         try:
             await asyncio.sleep(SETTLE_S)
             t0 = time.monotonic()
             while time.monotonic() - t0 < PROBE_WAIT_S and not all(m.measured for m in self.members()):
                 await asyncio.sleep(0.25)
             loop = asyncio.get_running_loop()
-            model = await loop.run_in_executor(None, lambda: ModelStore().resolve(self.model_ref, quiet=True))
+            model = await loop.run_in_executor(None, lambda: ModelStore().resolve(ref, quiet=True))
             spec = REGISTRY.get(model.name)
             weights = self.weights or (spec.default_weights if spec else "int4")
             members: list[Member] = self.members()
@@ -98,8 +112,11 @@ class CoordinatorRole:
                 exact=self.exact,
                 wire_dtype="f32" if self.exact else "f16",
                 home=self.my_address,
+                events=self.hub,
+                cluster_id=self.cluster,
             )
             self.coordinator = Coordinator(cfg)
+            self.coordinator.node_ids = {a: n for n, a in self.addresses.items()}
             await self.coordinator.async_start()
             self.state = "serving"
             log.info("serving %s on %d node(s); API %s/v1", model.name, len(nodes), self.coordinator.api_url)
@@ -131,6 +148,7 @@ class CoordinatorRole:
             if (plan.nodes, plan.ranges) == (self.plan.nodes, self.plan.ranges):
                 continue
             self.addresses.update({m.offer.node: m.address for m in members})
+            self.coordinator.node_ids.update({a: n for n, a in self.addresses.items()})
             log.info("re-planning: %s", ", ".join(f"{s.node} layers {s.start}..{s.end - 1}" for s in plan.stages))
             self.state = "re-planning"
             await self.coordinator.async_replan(
@@ -141,6 +159,56 @@ class CoordinatorRole:
     def _home(self, members: list[Member]) -> str | None:
         """This machine's node id, when its agent is among the members."""
         return next((m.offer.node for m in members if m.address == self.my_address), None)
+
+    def api_base(self) -> str | None:
+        """The OpenAI-compatible API's base URL (without /v1), once it answers."""
+        c = self.coordinator
+        return c.api_url if c is not None and c.api_url else None
+
+    def not_ready(self) -> str | None:
+        """Why the API cannot answer yet (None once it can)."""
+        if self.api_base() is not None:
+            return None
+        if self.state == "no model":
+            return "the coordinator serves no model: set serve.model in its settings (or --serve-model)"
+        if self.state == "failed":
+            return f"the coordinator could not form the pipeline: {self.error}"
+        return f"the coordinator is still forming the pipeline ({self.state})"
+
+    def cluster_view(self) -> ClusterView:
+        """The cluster as node maps show it: the nodes heard, the plan, the service, the load."""
+        from dataclasses import replace
+
+        c = self.coordinator
+        where: dict[str, tuple[int, tuple[int, int]]] = {}
+        if c is not None and c.export is not None and c.pipeline is not None:
+            # what runs now (after a failover too): the coordinator's agents and their export
+            ranges = [(m["stage"]["layer_start"], m["stage"]["layer_end"]) for m in c.export.manifests]
+            ids = {a: n for n, a in self.addresses.items()}
+            for i, (addr, r) in enumerate(zip(c.nodes, ranges, strict=False)):
+                where[ids.get(addr, addr)] = (i, r)
+        elif self.plan is not None:
+            where = {st.node: (i, (st.start, st.end)) for i, st in enumerate(self.plan.stages)}
+        ring = [n for n, _ in sorted(where.items(), key=lambda kv: kv[1][0])]
+        nodes = []
+        heard = self.nodes()
+        me = heard[0].node if heard else None  # this node (the daemon lists itself first)
+        for n in heard:
+            stage, layers = where.get(n.node, (None, None))
+            nodes.append(replace(n, stage=stage, layers=layers))
+        sched = c.scheduler if c is not None else None
+        return ClusterView(
+            cluster=self.cluster,
+            coordinator=me,
+            term=self.term,
+            model=self.model_ref,
+            service=self.state,
+            error=self.error,
+            ring=tuple(ring),
+            nodes=tuple(sorted(nodes, key=lambda n: n.node)),
+            streams=sched.active if sched else 0,
+            waiting=sched.waiting if sched else 0,
+        )
 
     def status(self) -> dict[str, Any]:
         c = self.coordinator
@@ -160,6 +228,7 @@ class CoordinatorRole:
         }
 
     async def async_stop(self) -> None:
+        await self.hub.async_stop()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

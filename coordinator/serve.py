@@ -22,10 +22,12 @@ import aiohttp
 from aiohttp import web
 
 from agent import aio
+from agent.eventstream import EventHub
 from agent.export.exporter import ExportOptions, ExportResult, export_model
 from agent.link import HEARTBEAT_S
 from agent.models.store import LocalModel
 from agent.protocol import MAX_FRAME
+from agent.protocol.events import ClusterView, Failover, NodeInfo
 from agent.runtime.tokenizer import ChatTokenizer
 from agent.stage_host import OPTIONAL_FILES, STAGE_FILES
 from coordinator.api import ApiState, make_api_app
@@ -75,6 +77,9 @@ class ServeConfig:
     # this machine's own agent (host:port), where it serves a stage: when that is the first
     # stage, the coordinator reaches it without crossing the network (no emulated WAN delay)
     home: str | None = None
+    # the cluster event stream (None: one of its own, showing the pipeline's agents)
+    events: EventHub | None = None
+    cluster_id: str = "default"
     ready: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -129,6 +134,9 @@ class Coordinator:
         self._export_lock = asyncio.Lock()  # one export at a time (the fallback and a recovery share folders)
         self.calibration = CalibrationStore()
         self.rebalances: list[dict[str, object]] = []
+        self.node_ids: dict[str, str] = {}  # agent address -> node id, where the caller knows them
+        self.hub = cfg.events if cfg.events is not None else EventHub(self.cluster_view)
+        self._own_hub = cfg.events is None
 
     async def async_start(self) -> None:
         cfg = self.cfg
@@ -188,7 +196,16 @@ class Coordinator:
         tok = await loop.run_in_executor(
             None, lambda: ChatTokenizer(export_dir / "tokenizer", export_dir / "config.json")
         )
-        state = ApiState(model=cfg.model.name, tokenizer=tok, scheduler=self.scheduler, api_key=cfg.api_key)
+        state = ApiState(
+            model=cfg.model.name,
+            tokenizer=tok,
+            scheduler=self.scheduler,
+            api_key=cfg.api_key,
+            events=self.hub,
+            served_by=self.served_by,
+        )
+        if self._own_hub:
+            self.hub.start()
         api_port = cfg.api_port if cfg.api_port else _free_port(cfg.api_host)
         await self._site(make_api_app(state), cfg.api_host, api_port)
         self.api_url = f"http://{cfg.api_host}:{api_port}"
@@ -329,11 +346,39 @@ class Coordinator:
             self.pipeline, self.nodes = new, live
             assert self.scheduler is not None
             self.scheduler.set_pipeline(new)
-            self.recoveries.append(
-                {"lost": failed.lost, "nodes": live, "term": self.term, "seconds": round(time.monotonic() - t0, 3)}
-            )
+            seconds = round(time.monotonic() - t0, 3)
+            self.recoveries.append({"lost": failed.lost, "nodes": live, "term": self.term, "seconds": seconds})
+            lost = failed.lost or "?"
+            self.hub.publish(Failover(time.time(), self.node_ids.get(lost, lost), seconds, self.term))
             failed.mark_lost(failed.lost or "?")
             await failed.async_close()
+
+    def served_by(self) -> list[str]:
+        """The nodes of the current plan, in stage order (ids where known, else addresses)."""
+        return [self.node_ids.get(n, n) for n in self.nodes]
+
+    def cluster_view(self) -> ClusterView:
+        """A fixed pipeline's view (``lakeshard serve``): its agents, in stage order."""
+        mans = [] if self.export is None else self.export.manifests
+        ranges = [(m["stage"]["layer_start"], m["stage"]["layer_end"]) for m in mans]
+        nodes, ring = [], []
+        for i, addr in enumerate(self.nodes):
+            node = addr.replace(":", "-").replace("[", "").replace("]", "")[:64]
+            layers = tuple(ranges[i]) if i < len(ranges) else None
+            nodes.append(NodeInfo(node, addr, addr, "standalone", "available", stage=i, layers=layers))
+            ring.append(node)
+        sched = self.scheduler
+        return ClusterView(
+            cluster=self.cfg.cluster_id,
+            coordinator=None,
+            term=self.term,
+            model=self.cfg.model.name,
+            service="serving" if self.pipeline is not None else "assigning",
+            ring=tuple(ring),
+            nodes=tuple(nodes),
+            streams=sched.active if sched else 0,
+            waiting=sched.waiting if sched else 0,
+        )
 
     async def _site(self, app: web.Application, host: str, port: int) -> None:
         runner = web.AppRunner(app, handler_cancellation=True)
@@ -342,6 +387,8 @@ class Coordinator:
         self._runners.append(runner)
 
     async def async_stop(self) -> None:
+        if self._own_hub:
+            await self.hub.async_stop()
         if self._rebalancer is not None:
             self._rebalancer.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

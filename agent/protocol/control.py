@@ -75,6 +75,11 @@ class Beat(Message):
     devices: tuple[str, ...]
     version: str
     followers: int = 0
+    # what node maps show (optional: older agents leave them out)
+    name: str | None = None  # the machine's host name
+    reason: str | None = None  # why it is limited or paused
+    temp_c: float | None = None
+    tok_s: float = 0.0  # positions its stage computed per second, lately
 
     def header(self) -> dict[str, Any]:
         d = super().header()
@@ -99,6 +104,10 @@ class Beat(Message):
             devices=kinds_field(h.get("devices"), "devices"),
             version=str_field(h.get("version"), "version", 32),
             followers=int_field(h.get("followers", 0), "followers", 0, 1 << 16),
+            name=opt_str_field(h.get("name"), "name", 128),
+            reason=opt_str_field(h.get("reason"), "reason", 200),
+            temp_c=None if h.get("temp_c") is None else float_field(h.get("temp_c"), "temp_c", -100.0, 300.0),
+            tok_s=float_field(h.get("tok_s", 0.0), "tok_s", 0.0, 1e7),
         )
 
 

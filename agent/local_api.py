@@ -1,0 +1,136 @@
+"""The agent's local API on 127.0.0.1: everything the tray and ``lakeshard status`` use.
+
+* ``GET /v1/node``: this node (state and why, stage, memory, figures);
+* ``GET /v1/cluster``: the election's view (peers, coordinator, term) and the coordinator's
+  services when they run here;
+* ``POST /v1/node/state``: ``{"state": "paused", "for_s": 3600}`` / ``{"state": "available"}``
+  (the tray's pause switch; ``for_s`` resumes by itself);
+* ``GET /v1/settings`` / ``PUT /v1/settings``: ``config.yaml``, read, and validated with the
+  agent's own parser before it is written (``{"settings": {...}}`` or ``{"text": "..."}``);
+  election settings apply at once, the rest is listed under ``restart``;
+* ``GET /v1/models``, ``POST /v1/chat/completions``, ``GET /v1/cluster/events``: the
+  coordinator's, wherever it runs (:mod:`agent.gateway`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import yaml
+from aiohttp import web
+
+from agent.config import ConfigError, config_file, parse
+from agent.gateway import add_local_routes, describe, json_errors
+from agent.paths import write_text_atomic
+from agent.protocol.control import STATES
+
+if TYPE_CHECKING:
+    from agent.daemon import AgentDaemon
+
+log = logging.getLogger(__name__)
+MAX_BODY = 8 * 1024 * 1024  # chat requests pass through here (the coordinator's own limit)
+MAX_PAUSE_S = 366 * 24 * 3600
+
+
+def _bad(message: str) -> web.Response:
+    return web.json_response({"error": message}, status=400)
+
+
+def make_local_app(daemon: AgentDaemon) -> web.Application:
+    app = web.Application(client_max_size=MAX_BODY, middlewares=[json_errors])
+    app[DAEMON] = daemon
+    app.router.add_get("/v1/node", _node)
+    app.router.add_get("/v1/cluster", _cluster)
+    app.router.add_post("/v1/node/state", _set_state)
+    app.router.add_get("/v1/settings", _get_settings)
+    app.router.add_put("/v1/settings", _put_settings)
+    add_local_routes(app, daemon)
+    return app
+
+
+DAEMON: web.AppKey[AgentDaemon] = web.AppKey("daemon")
+
+
+async def _node(request: web.Request) -> web.Response:
+    return web.json_response(request.app[DAEMON].node_status())
+
+
+async def _cluster(request: web.Request) -> web.Response:
+    d = request.app[DAEMON]
+    st = d.cluster_status()
+    st["gateway"] = describe(d.coordinator_target())
+    return web.json_response(st)
+
+
+async def _set_state(request: web.Request) -> web.Response:
+    d = request.app[DAEMON]
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return _bad('the body must be JSON like {"state": "paused"}')
+    state = body.get("state") if isinstance(body, dict) else None
+    if state not in STATES:
+        return _bad(f"state must be one of {', '.join(STATES)}")
+    for_s = body.get("for_s")
+    if for_s is not None and (
+        isinstance(for_s, bool)
+        or not isinstance(for_s, int | float)
+        or not math.isfinite(for_s)
+        or not 0 < for_s <= MAX_PAUSE_S
+    ):
+        return _bad(f"for_s must be a number of seconds in (0, {MAX_PAUSE_S}]")
+    d.set_state(state, "user" if state != "available" else None, for_s)
+    return web.json_response(d.node_status())
+
+
+def _settings_path(d: AgentDaemon) -> Path:
+    return Path(d.config_path) if d.config_path else config_file()
+
+
+async def _get_settings(request: web.Request) -> web.Response:
+    d = request.app[DAEMON]
+    path = _settings_path(d)
+    text = path.read_text(encoding="utf-8") if path.is_file() else ""
+    try:
+        raw = yaml.safe_load(text) if text else {}
+    except yaml.YAMLError:
+        raw = None
+    return web.json_response(
+        {"file": str(path), "exists": path.is_file(), "text": text, "settings": raw if isinstance(raw, dict) else {}}
+    )
+
+
+async def _put_settings(request: web.Request) -> web.Response:
+    d = request.app[DAEMON]
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return _bad('the body must be JSON: {"settings": {...}} or {"text": "..."}')
+    if not isinstance(body, dict) or ("settings" in body) == ("text" in body):
+        return _bad('give either "settings" (a mapping) or "text" (the YAML file)')
+    if "text" in body:
+        if not isinstance(body["text"], str):
+            return _bad("text must be a string")
+        text = body["text"]
+        try:
+            data = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError as e:
+            return _bad(f"not valid YAML: {e}")
+    else:
+        data = body["settings"]
+        if not isinstance(data, dict):
+            return _bad("settings must be a mapping")
+        text = yaml.safe_dump(data, sort_keys=False) if data else ""
+    try:
+        new = parse(data)
+    except ConfigError as e:
+        return _bad(str(e))
+    path = _settings_path(d)
+    write_text_atomic(path, text)
+    restart = d.apply_settings(new)
+    log.info("settings written to %s%s", path, f"; restart needed for {', '.join(restart)}" if restart else "")
+    return web.json_response({"ok": True, "file": str(path), "restart": restart})

@@ -1,0 +1,1 @@
+"""The chat window: conversations with the coordinator's OpenAI-compatible API."""

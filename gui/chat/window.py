@@ -1,0 +1,433 @@
+"""The chat window: conversations with the cluster through the coordinator's OpenAI API.
+
+Answers stream in as they are generated; Stop closes the request, which cancels the
+generation on the cluster. Conversations (with their system prompt, model and unsent draft)
+live in SQLite (:mod:`gui.chat.store`). When no coordinator answers, the window says so, keeps
+the message in the box and sends it once one does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import html
+import time
+from typing import Any
+
+from PySide6.QtCore import Qt, QTimer, QUrl, Signal
+from PySide6.QtGui import QGuiApplication, QKeySequence, QShortcut
+from PySide6.QtWidgets import (
+    QComboBox,
+    QDoubleSpinBox,
+    QHBoxLayout,
+    QInputDialog,
+    QLabel,
+    QListWidget,
+    QListWidgetItem,
+    QMainWindow,
+    QMessageBox,
+    QPlainTextEdit,
+    QPushButton,
+    QSplitter,
+    QTextBrowser,
+    QVBoxLayout,
+    QWidget,
+)
+
+from gui.chat.markdown import render
+from gui.chat.store import Store
+from gui.client import ApiError, Client, Unreachable
+from gui.icons import app_icon
+
+RETRY_S = 2.0
+RENDER_EVERY_S = 0.05  # re-render a streaming answer at most this often
+
+
+def answer_stats(stats: dict[str, Any], names: dict[str, str]) -> str:
+    """The line under an answer: time to first token, tok/s, who served it (pure)."""
+    parts = []
+    if stats.get("ttft_s") is not None:
+        parts.append(f"{stats['ttft_s']:.2f} s to first token")
+    if stats.get("tok_s") is not None:
+        parts.append(f"{stats['tok_s']:.1f} tok/s")
+    if stats.get("tokens") is not None:
+        parts.append(f"{stats['tokens']} tokens")
+    nodes = stats.get("nodes") or []
+    if nodes:
+        parts.append("served by " + " → ".join(names.get(n, n) for n in nodes))
+    if stats.get("stopped"):
+        parts.append("stopped")
+    if stats.get("error"):
+        parts.append(f"error: {stats['error']}")
+    return " · ".join(parts)
+
+
+class ChatWindow(QMainWindow):
+    answered = Signal(int)  # a message id, once its answer is complete (or stopped)
+    input: QPlainTextEdit
+    system: QPlainTextEdit
+
+    def __init__(self, client: Client, store: Store | None = None, names: dict[str, str] | None = None) -> None:
+        super().__init__()
+        self.client = client
+        self.store = store or Store()
+        self.names = names if names is not None else {}
+        self.conversation: int | None = None
+        self.blocks: list[str] = []
+        self.reachable: bool | None = None
+        self.pending_send = False  # the user pressed Send while no coordinator answered
+        self.streaming: asyncio.Task[None] | None = None
+        self.live: dict[str, Any] | None = None  # the answer being streamed: message id, text, stats
+        self._last_render = 0.0
+        self._probe: asyncio.Task[None] | None = None
+        self.setWindowTitle("lakeshard chat")
+        self.setWindowIcon(app_icon())
+        self.resize(980, 680)
+        self._build()
+        self._load_conversations()
+        self._draft_timer = QTimer(self)
+        self._draft_timer.setSingleShot(True)
+        self._draft_timer.timeout.connect(self._save_draft)
+        self.input.textChanged.connect(lambda: self._draft_timer.start(400))
+        self._probe = asyncio.ensure_future(self._watch_coordinator())
+
+    # -- layout ----------------------------------------------------------------------------------
+    def _build(self) -> None:
+        left = QWidget()
+        lv = QVBoxLayout(left)
+        self.list = QListWidget()
+        self.list.currentItemChanged.connect(self._picked)
+        row = QHBoxLayout()
+        self.new_btn = QPushButton("New")
+        self.new_btn.clicked.connect(self.new_conversation)
+        self.rename_btn = QPushButton("Rename")
+        self.rename_btn.clicked.connect(self._ask_rename)
+        self.delete_btn = QPushButton("Delete")
+        self.delete_btn.clicked.connect(self._ask_delete)
+        for b in (self.new_btn, self.rename_btn, self.delete_btn):
+            row.addWidget(b)
+        lv.addWidget(self.list)
+        lv.addLayout(row)
+
+        right = QWidget()
+        rv = QVBoxLayout(right)
+        bar = QHBoxLayout()
+        bar.addWidget(QLabel("Model"))
+        self.model = QComboBox()
+        self.model.setMinimumWidth(200)
+        self.model.currentTextChanged.connect(self._model_picked)
+        bar.addWidget(self.model)
+        bar.addWidget(QLabel("Temperature"))
+        self.temperature = QDoubleSpinBox()
+        self.temperature.setRange(0.0, 2.0)
+        self.temperature.setSingleStep(0.1)
+        self.temperature.setValue(0.0)
+        bar.addWidget(self.temperature)
+        bar.addStretch(1)
+        self.system_btn = QPushButton("System prompt…")
+        self.system_btn.setCheckable(True)
+        self.system_btn.toggled.connect(lambda on: self.system.setVisible(on))
+        bar.addWidget(self.system_btn)
+        rv.addLayout(bar)
+        self.system = QPlainTextEdit()
+        self.system.setPlaceholderText("A system prompt for this conversation (optional)")
+        self.system.setMaximumHeight(90)
+        self.system.setVisible(False)
+        self.system.textChanged.connect(self._system_changed)
+        rv.addWidget(self.system)
+        self.banner = QLabel()
+        self.banner.setWordWrap(True)
+        self.banner.setStyleSheet("background:#fef3c7;color:#78350f;padding:6px;border-radius:4px")
+        self.banner.setVisible(False)
+        rv.addWidget(self.banner)
+        self.transcript = QTextBrowser()
+        self.transcript.setOpenLinks(False)
+        self.transcript.anchorClicked.connect(self._link)
+        rv.addWidget(self.transcript, 1)
+        self.input = QPlainTextEdit()
+        self.input.setPlaceholderText("Ask the cluster… (Ctrl+Enter sends)")
+        self.input.setMaximumHeight(120)
+        rv.addWidget(self.input)
+        send_row = QHBoxLayout()
+        self.status = QLabel("")
+        self.status.setStyleSheet("color:#6b7280")
+        send_row.addWidget(self.status, 1)
+        self.stop_btn = QPushButton("Stop")
+        self.stop_btn.clicked.connect(self.stop)
+        self.stop_btn.setEnabled(False)
+        self.send_btn = QPushButton("Send")
+        self.send_btn.setDefault(True)
+        self.send_btn.clicked.connect(self.send)
+        send_row.addWidget(self.stop_btn)
+        send_row.addWidget(self.send_btn)
+        rv.addLayout(send_row)
+        QShortcut(QKeySequence("Ctrl+Return"), self, self.send)
+
+        split = QSplitter()
+        split.addWidget(left)
+        split.addWidget(right)
+        split.setStretchFactor(1, 3)
+        split.setSizes([240, 740])
+        self.setCentralWidget(split)
+
+    # -- conversations ---------------------------------------------------------------------------
+    def _load_conversations(self, select: int | None = None) -> None:
+        convs = self.store.conversations()
+        if not convs:
+            self.store.create()
+            convs = self.store.conversations()
+        self.list.blockSignals(True)
+        self.list.clear()
+        for c in convs:
+            it = QListWidgetItem(c.title)
+            it.setData(Qt.ItemDataRole.UserRole, c.id)
+            self.list.addItem(it)
+        self.list.blockSignals(False)
+        ids = [c.id for c in convs]
+        target = select if select in ids else (self.conversation if self.conversation in ids else ids[0])
+        self.list.setCurrentRow(ids.index(target))
+        self.open_conversation(target)
+
+    def _picked(self, item: QListWidgetItem | None, _prev: Any = None) -> None:
+        if item is not None:
+            self.open_conversation(int(item.data(Qt.ItemDataRole.UserRole)))
+
+    def open_conversation(self, cid: int) -> None:
+        if cid == self.conversation:
+            return
+        self._save_draft()
+        self.conversation = cid
+        conv = self.store.get(cid)
+        assert conv is not None
+        self.system.blockSignals(True)
+        self.system.setPlainText(conv.system_prompt)
+        self.system.blockSignals(False)
+        self.system_btn.setChecked(bool(conv.system_prompt))
+        self.input.blockSignals(True)
+        self.input.setPlainText(conv.draft)
+        self.input.blockSignals(False)
+        if conv.model and self.model.findText(conv.model) >= 0:
+            self.model.setCurrentText(conv.model)
+        self.redraw()
+
+    def new_conversation(self) -> int:
+        cid = self.store.create(model=self.model.currentText() or None)
+        self._load_conversations(select=cid)
+        return cid
+
+    def rename(self, cid: int, title: str) -> None:
+        self.store.rename(cid, title)
+        self._load_conversations(select=cid)
+
+    def delete(self, cid: int) -> None:
+        if self.live is not None and self.conversation == cid:
+            self.stop()
+        self.store.delete(cid)
+        if self.conversation == cid:
+            self.conversation = None
+        self._load_conversations()
+
+    def _ask_rename(self) -> None:
+        if self.conversation is None:
+            return
+        conv = self.store.get(self.conversation)
+        title, ok = QInputDialog.getText(self, "Rename conversation", "Title", text=conv.title if conv else "")
+        if ok:
+            self.rename(self.conversation, title)
+
+    def _ask_delete(self) -> None:
+        if self.conversation is None:
+            return
+        if QMessageBox.question(self, "Delete conversation", "Delete this conversation?") == (
+            QMessageBox.StandardButton.Yes
+        ):
+            self.delete(self.conversation)
+
+    def _save_draft(self) -> None:
+        if self.conversation is not None and self.store.get(self.conversation) is not None:
+            self.store.set_draft(self.conversation, self.input.toPlainText())
+
+    def _system_changed(self) -> None:
+        if self.conversation is not None:
+            self.store.set_system_prompt(self.conversation, self.system.toPlainText())
+
+    def _model_picked(self, name: str) -> None:
+        if self.conversation is not None and name:
+            self.store.set_model(self.conversation, name)
+
+    # -- the transcript --------------------------------------------------------------------------
+    def redraw(self) -> None:
+        if self.conversation is None:
+            return
+        parts, self.blocks = [], []
+        for m in self.store.messages(self.conversation):
+            if self.live is not None and m.id == self.live["id"]:
+                text, stats = self.live["text"], self.live["stats"]
+            else:
+                text, stats = m.content, m.stats
+            if m.role == "user":
+                parts.append(
+                    '<table width="100%" cellpadding="8" bgcolor="#e0f2fe"><tr><td>'
+                    f"<b>You</b><br>{html.escape(text).replace(chr(10), '<br>')}</td></tr></table>"
+                )
+                continue
+            body, blocks = render(text or "…", len(self.blocks))
+            self.blocks += blocks
+            line = answer_stats(stats, self.names)
+            foot = f'<p style="color:#6b7280"><small>{html.escape(line)}</small></p>' if line else ""
+            parts.append(f"<div><b>Assistant</b>{body}{foot}</div>")
+        bar = self.transcript.verticalScrollBar()
+        at_end = bar.value() >= bar.maximum() - 4
+        self.transcript.setHtml("\n".join(parts))
+        if at_end:
+            bar.setValue(bar.maximum())
+        self._last_render = time.monotonic()
+
+    def _link(self, url: QUrl) -> None:
+        s = url.toString()
+        if s.startswith("copy:"):
+            i = int(s[5:]) if s[5:].isdigit() else -1
+            if 0 <= i < len(self.blocks):
+                QGuiApplication.clipboard().setText(self.blocks[i])
+                self.status.setText("code copied")
+
+    # -- sending ---------------------------------------------------------------------------------
+    def send(self) -> None:
+        text = self.input.toPlainText().strip()
+        if not text or self.conversation is None or self.streaming is not None:
+            return
+        if self.reachable is False:
+            self.pending_send = True
+            self._say_unreachable(self.banner.property("why") or "no coordinator answers")
+            return
+        self.pending_send = False
+        cid = self.conversation
+        self.store.add(cid, "user", text)
+        self.input.blockSignals(True)
+        self.input.clear()
+        self.input.blockSignals(False)
+        self.store.set_draft(cid, "")
+        mid = self.store.add(cid, "assistant", "")
+        self.live = {"id": mid, "text": "", "stats": {}, "conversation": cid, "question": text}
+        self._load_conversations(select=cid)
+        self.redraw()
+        self.send_btn.setEnabled(False)
+        self.stop_btn.setEnabled(True)
+        self.status.setText("waiting for the first token…")
+        self.streaming = asyncio.ensure_future(self._answer(cid, mid, text))
+
+    async def _answer(self, cid: int, mid: int, question: str) -> None:
+        assert self.live is not None
+        history = self.store.history(cid)  # (the empty answer being written is left out)
+        t0 = time.perf_counter()
+        first: float | None = None
+        n = 0
+        stats: dict[str, Any] = {}
+        outcome = "done"
+        try:
+            async for ch in self.client.chat(
+                history, model=self.model.currentText() or None, temperature=self.temperature.value()
+            ):
+                if ch.text:
+                    n += 1
+                    if first is None:
+                        first = time.perf_counter()
+                        self.status.setText("answering…")
+                    self.live["text"] += ch.text
+                if ch.stats:
+                    stats["nodes"] = ch.stats.get("nodes") or []
+                    stats["tokens"] = ch.stats.get("completion_tokens")
+                if time.monotonic() - self._last_render > RENDER_EVERY_S:
+                    self.redraw()
+        except asyncio.CancelledError:
+            outcome = "stopped"
+        except Unreachable as e:
+            outcome = "unreachable"
+            stats["error"] = str(e)
+        except ApiError as e:
+            outcome = "error"
+            stats["error"] = str(e)
+        now = time.perf_counter()
+        if first is not None:
+            stats["ttft_s"] = round(first - t0, 3)
+            tokens = stats.get("tokens") or n
+            if now > first and tokens > 1:
+                stats["tok_s"] = round((tokens - 1) / (now - first), 1)
+        if outcome == "stopped":
+            stats["stopped"] = True
+        text = self.live["text"]
+        if outcome == "unreachable" and not text:
+            # nothing came back: the question goes back into the box, to be sent again
+            self.store.delete_message(mid)
+            msgs = self.store.messages(cid)
+            if msgs and msgs[-1].role == "user":
+                self.store.delete_message(msgs[-1].id)
+            if self.conversation == cid:
+                self.input.setPlainText(question)
+            self.store.set_draft(cid, question)
+            self.reachable = False
+            self.pending_send = True
+            self._say_unreachable(stats.get("error", ""))
+            if self._probe is None or self._probe.done():
+                self._probe = asyncio.ensure_future(self._watch_coordinator())
+        else:
+            self.store.update(mid, text, stats)
+        self.live = None
+        self.streaming = None
+        self.send_btn.setEnabled(True)
+        self.stop_btn.setEnabled(False)
+        self.status.setText({"done": "", "stopped": "stopped"}.get(outcome, stats.get("error", "")))
+        self.redraw()
+        self.answered.emit(mid)
+
+    def stop(self) -> None:
+        """Stop the answer: the request is closed, and the cluster cancels the generation."""
+        if self.streaming is not None:
+            self.streaming.cancel()
+
+    # -- the coordinator's reachability ----------------------------------------------------------
+    def _say_unreachable(self, why: str) -> None:
+        self.banner.setProperty("why", why)
+        extra = " Your message will be sent when one answers." if self.pending_send else ""
+        self.banner.setText(f"No coordinator is reachable right now; retrying every {RETRY_S:.0f} s.{extra}\n{why}")
+        self.banner.setVisible(True)
+
+    async def _watch_coordinator(self) -> None:
+        """Until the coordinator answers: say so, keep trying; then fill the model list."""
+        while True:
+            try:
+                models = await self.client.models()
+            except (Unreachable, ApiError) as e:
+                self.reachable = False
+                self._say_unreachable(str(e))
+                await asyncio.sleep(RETRY_S)
+                continue
+            self.reachable = True
+            self.banner.setVisible(False)
+            self._set_models(models)
+            if self.pending_send and self.streaming is None:
+                self.send()
+            return
+
+    def _set_models(self, models: list[str]) -> None:
+        current = self.model.currentText()
+        conv = self.store.get(self.conversation) if self.conversation is not None else None
+        self.model.blockSignals(True)
+        self.model.clear()
+        self.model.addItems(models)
+        want = (conv.model if conv else None) or current
+        if want and want in models:
+            self.model.setCurrentText(want)
+        self.model.blockSignals(False)
+
+    async def async_stop(self) -> None:
+        self._save_draft()
+        for t in (self.streaming, self._probe):
+            if t is not None:
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+
+    def closeEvent(self, e: Any) -> None:
+        self._save_draft()
+        super().closeEvent(e)

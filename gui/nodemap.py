@@ -1,0 +1,325 @@
+"""The node map (for admins): the cluster as its coordinator sees it, live.
+
+Fed only by the coordinator's event stream (through the tray): each node with its name,
+state colour, device, layer range, memory, temperature and tok/s; the ring in stage order
+with each node's round trip to the coordinator; the coordinator marked; re-plans and
+failovers in the log as they happen. Clicking a node shows its details; this laptop's own
+node can be paused, excluded from or preferred for coordinating (other nodes' controls come
+with the cluster's credentials).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from PySide6.QtCore import QPointF, QRectF, Qt, Signal
+from PySide6.QtGui import QBrush, QColor, QFont, QMouseEvent, QPainter, QPainterPath, QPaintEvent, QPen
+from PySide6.QtWidgets import (
+    QHBoxLayout,
+    QLabel,
+    QListWidget,
+    QMainWindow,
+    QPushButton,
+    QSplitter,
+    QVBoxLayout,
+    QWidget,
+)
+
+from agent.protocol.events import (
+    ClusterView,
+    CoordinatorLost,
+    Event,
+    Failover,
+    NodeChanged,
+    NodeInfo,
+    NodeJoined,
+    NodeLeft,
+    PlanChanged,
+    Snapshot,
+    StreamFinished,
+)
+from gui.client import ApiError, Client, Unreachable
+from gui.icons import app_icon
+
+STATE_COLOURS = {"available": "#16a34a", "limited": "#d97706", "paused": "#64748b"}
+BOX_W, BOX_H = 190, 112
+GIB = 1024**3
+
+
+def layout(view: ClusterView, width: float, height: float) -> dict[str, QRectF]:
+    """Where each node's box goes: the ring's stages clockwise from the top, then the others (pure)."""
+    order = list(view.ring) + sorted(n.node for n in view.nodes if n.node not in view.ring)
+    order = [n for n in order if view.node(n) is not None]
+    out: dict[str, QRectF] = {}
+    k = len(order)
+    cx, cy = width / 2, height / 2
+    rx, ry = max(width / 2 - BOX_W / 2 - 16, 0), max(height / 2 - BOX_H / 2 - 16, 0)
+    for i, node in enumerate(order):
+        a = -math.pi / 2 + 2 * math.pi * i / max(k, 1)
+        x, y = (cx, cy) if k == 1 else (cx + rx * math.cos(a), cy + ry * math.sin(a))
+        out[node] = QRectF(x - BOX_W / 2, y - BOX_H / 2, BOX_W, BOX_H)
+    return out
+
+
+def node_lines(n: NodeInfo) -> list[str]:
+    """The text in a node's box (pure)."""
+    lines = [n.name if n.name != n.node else n.node[:12]]
+    state = n.state + (f" ({n.reason})" if n.reason else "")
+    lines.append(f"{state} · {','.join(n.devices)}")
+    lines.append(f"layers {n.layers[0]}-{n.layers[1] - 1}" if n.layers else "no stage")
+    mem = f"{n.mem_free / GIB:.1f}/{n.mem_total / GIB:.0f} GB free" if n.mem_total else "memory ?"
+    temp = f" · {n.temp_c:.0f} °C" if n.temp_c is not None else ""
+    lines.append(mem + temp)
+    rtt = "" if n.rtt_ms is None or n.role == "coordinator" else f" · rtt {n.rtt_ms:.1f} ms"
+    lines.append(f"{n.tok_s:.0f} tok/s{rtt}")
+    return lines
+
+
+def describe(ev: Event, names: dict[str, str]) -> str | None:
+    """One line of the map's log for an event worth a line (pure)."""
+    t = time.strftime("%H:%M:%S", time.localtime(ev.at))
+
+    def name(n: str) -> str:
+        return names.get(n, n)
+
+    if isinstance(ev, NodeJoined):
+        return f"{t}  {ev.node.name} joined"
+    if isinstance(ev, NodeLeft):
+        return f"{t}  {ev.name or ev.node} left (no beats)"
+    if isinstance(ev, NodeChanged) and ({"state", "role"} & set(ev.changed)):
+        why = f" ({ev.node.reason})" if ev.node.reason else ""
+        return f"{t}  {ev.node.name}: {ev.node.state}{why}, {ev.node.role}"
+    if isinstance(ev, PlanChanged):
+        ring = " → ".join(f"{name(n)} [{a}-{b - 1}]" for n, (a, b) in zip(ev.ring, ev.layers, strict=True))
+        return f"{t}  plan ({ev.service}): {ring or 'no stages'}"
+    if isinstance(ev, Failover):
+        return f"{t}  failover: lost {name(ev.lost)}, streams resumed in {ev.seconds:.1f} s"
+    if isinstance(ev, CoordinatorLost):
+        return f"{t}  coordinator lost; election under way"
+    if isinstance(ev, Snapshot):
+        c = ev.view.coordinator
+        return f"{t}  coordinator {name(c) if c else 'none'} (term {ev.view.term})"
+    if isinstance(ev, StreamFinished):
+        rate = f", {ev.tok_s:.1f} tok/s" if ev.tok_s else ""
+        return f"{t}  answer {ev.outcome}: {ev.tokens} tokens{rate}"
+    return None
+
+
+class MapCanvas(QWidget):
+    picked = Signal(str)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.view: ClusterView | None = None
+        self.me: str | None = None
+        self.selected: str | None = None
+        self.setMinimumSize(520, 420)
+
+    def set_view(self, view: ClusterView | None, me: str | None) -> None:
+        self.view, self.me = view, me
+        self.update()
+
+    def boxes(self) -> dict[str, QRectF]:
+        return {} if self.view is None else layout(self.view, self.width(), self.height())
+
+    def node_at(self, p: QPointF) -> str | None:
+        return next((n for n, r in self.boxes().items() if r.contains(p)), None)
+
+    def mousePressEvent(self, e: QMouseEvent) -> None:
+        n = self.node_at(e.position())
+        if n is not None:
+            self.selected = n
+            self.picked.emit(n)
+            self.update()
+
+    def paintEvent(self, _e: QPaintEvent) -> None:
+        p = QPainter(self)
+        p.setRenderHint(QPainter.RenderHint.Antialiasing)
+        p.fillRect(self.rect(), QColor("#f8fafc"))
+        v = self.view
+        if v is None or not v.nodes:
+            p.setPen(QColor("#64748b"))
+            p.drawText(self.rect(), Qt.AlignmentFlag.AlignCenter, "waiting for the coordinator's event stream…")
+            return
+        boxes = self.boxes()
+        ring = [n for n in v.ring if n in boxes]
+        pen = QPen(QColor("#0e7490"), 3)
+        p.setPen(pen)
+        for i, n in enumerate(ring):  # the ring: stage i -> stage i+1, the last back to the first
+            if len(ring) < 2:
+                break
+            a, b = boxes[n].center(), boxes[ring[(i + 1) % len(ring)]].center()
+            p.drawLine(a, b)
+            mid = (a + b) / 2
+            p.setBrush(QColor("#0e7490"))
+            p.drawEllipse(mid, 4, 4)
+        for node, r in boxes.items():
+            info = v.node(node)
+            if info is not None:
+                self._box(p, r, info, node == v.coordinator, node == self.me)
+        p.setPen(QColor("#334155"))
+        head = f"{v.cluster} · term {v.term} · {v.model or 'no model'} ({v.service}) · {v.streams} answering"
+        p.drawText(QRectF(8, 4, self.width() - 16, 20), Qt.AlignmentFlag.AlignLeft, head)
+
+    def _box(self, p: QPainter, r: QRectF, n: NodeInfo, coordinator: bool, me: bool) -> None:
+        path = QPainterPath()
+        path.addRoundedRect(r, 10, 10)
+        p.fillPath(path, QBrush(QColor("#ffffff")))
+        border = QColor("#2563eb") if coordinator else QColor("#cbd5e1")
+        p.setPen(QPen(border, 4 if coordinator else (3 if n.node == self.selected else 1.5)))
+        p.drawPath(path)
+        p.fillRect(QRectF(r.left() + 1, r.top() + 8, 8, r.height() - 16), QColor(STATE_COLOURS.get(n.state, "#64748b")))
+        lines = node_lines(n)
+        f = QFont(self.font())
+        f.setBold(True)
+        p.setFont(f)
+        p.setPen(QColor("#0f172a"))
+        title = lines[0] + ("  ★ coordinator" if coordinator else "") + ("  (this laptop)" if me else "")
+        p.drawText(QRectF(r.left() + 16, r.top() + 6, r.width() - 20, 18), Qt.AlignmentFlag.AlignLeft, title)
+        f.setBold(False)
+        p.setFont(f)
+        p.setPen(QColor("#334155"))
+        for i, line in enumerate(lines[1:]):
+            p.drawText(
+                QRectF(r.left() + 16, r.top() + 26 + 20 * i, r.width() - 20, 18), Qt.AlignmentFlag.AlignLeft, line
+            )
+
+
+class NodeMapWindow(QMainWindow):
+    def __init__(self, client: Client, me: Callable[[], str | None] = lambda: None) -> None:
+        super().__init__()
+        self.client = client
+        self.me = me
+        self.view: ClusterView | None = None
+        self.names: dict[str, str] = {}
+        self.log_lines: list[str] = []
+        self.setWindowTitle("lakeshard node map")
+        self.setWindowIcon(app_icon())
+        self.resize(1080, 700)
+        self.canvas = MapCanvas()
+        self.canvas.picked.connect(self.show_node)
+        self.details = QLabel("Click a node for its details.")
+        self.details.setWordWrap(True)
+        self.details.setAlignment(Qt.AlignmentFlag.AlignTop)
+        self.details.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.pause_btn = QPushButton("Pause this node")
+        self.pause_btn.clicked.connect(self._toggle_pause)
+        self.exclude_btn = QPushButton("Never coordinate")
+        self.exclude_btn.clicked.connect(lambda: self._election("exclude"))
+        self.prefer_btn = QPushButton("Prefer as coordinator")
+        self.prefer_btn.clicked.connect(lambda: self._election("preferred"))
+        self.note = QLabel("")
+        self.note.setWordWrap(True)
+        self.note.setStyleSheet("color:#6b7280")
+        side = QWidget()
+        sv = QVBoxLayout(side)
+        sv.addWidget(self.details, 1)
+        for b in (self.pause_btn, self.exclude_btn, self.prefer_btn):
+            sv.addWidget(b)
+        sv.addWidget(self.note)
+        self.log = QListWidget()
+        top = QSplitter()
+        top.addWidget(self.canvas)
+        top.addWidget(side)
+        top.setSizes([760, 300])
+        outer = QSplitter(Qt.Orientation.Vertical)
+        outer.addWidget(top)
+        outer.addWidget(self.log)
+        outer.setSizes([540, 160])
+        holder = QWidget()
+        lay = QHBoxLayout(holder)
+        lay.addWidget(outer)
+        self.setCentralWidget(holder)
+        self.selected: str | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._enable_actions()
+
+    def on_event(self, item: tuple[Event, ClusterView | None]) -> None:
+        ev, view = item
+        self.view = view
+        if view is not None:
+            self.names.update({n.node: n.name for n in view.nodes})
+        line = describe(ev, self.names)
+        if line is not None:
+            self.log_lines.append(line)
+            self.log.addItem(line)
+            self.log.scrollToBottom()
+        self.canvas.set_view(view, self.me())
+        if self.selected is not None:
+            self.show_node(self.selected)
+
+    def show_node(self, node: str) -> None:
+        self.selected = node
+        n = self.view.node(node) if self.view is not None else None
+        if n is None:
+            self.details.setText(f"<b>{self.names.get(node, node)}</b><br>not in the cluster any more")
+        else:
+            rows = [
+                ("node", n.node),
+                ("address", n.address),
+                ("role", n.role + (" (this laptop)" if node == self.me() else "")),
+                ("state", n.state + (f": {n.reason}" if n.reason else "")),
+                ("devices", ", ".join(n.devices)),
+                ("speed", f"{n.score:.0f} GFLOP/s"),
+                ("memory", f"{n.mem_free / GIB:.1f} GB free of {n.mem_total / GIB:.1f}"),
+                ("temperature", "unknown" if n.temp_c is None else f"{n.temp_c:.0f} °C"),
+                ("stage", "none" if n.stage is None else f"{n.stage}, layers {n.layers}"),
+                ("tok/s", f"{n.tok_s:.1f}"),
+                ("round trip", "-" if n.rtt_ms is None else f"{n.rtt_ms:.2f} ms to the coordinator"),
+                ("version", n.version or "?"),
+            ]
+            body = "".join(f"<tr><td><b>{k}</b></td><td>{v}</td></tr>" for k, v in rows)
+            self.details.setText(f"<h3>{n.name}</h3><table>{body}</table>")
+        self._enable_actions()
+
+    def _enable_actions(self) -> None:
+        mine = self.selected is not None and self.selected == self.me()
+        n = self.view.node(self.selected) if (self.view is not None and self.selected) else None
+        for b in (self.pause_btn, self.exclude_btn, self.prefer_btn):
+            b.setEnabled(mine and n is not None)
+        self.pause_btn.setText("Resume this node" if n is not None and n.state == "paused" else "Pause this node")
+        self.note.setText(
+            ""
+            if mine or self.selected is None
+            else "Actions on other laptops need the cluster's credentials; from here, this laptop's own node only."
+        )
+
+    def _toggle_pause(self) -> None:
+        n = self.view.node(self.selected) if (self.view is not None and self.selected) else None
+        if n is None:
+            return
+        self._spawn(self.client.set_state("available" if n.state == "paused" else "paused"))
+
+    def _election(self, key: str) -> None:
+        """Add this node to ``election.exclude`` or ``election.preferred`` (and off the other)."""
+        me = self.me()
+        if me is None:
+            return
+
+        async def go() -> None:
+            cur = await self.client.settings()
+            s = dict(cur.get("settings") or {})
+            el = dict(s.get("election") or {})
+            other = "preferred" if key == "exclude" else "exclude"
+            el[other] = [x for x in el.get(other) or [] if x != me]
+            el[key] = [*(x for x in el.get(key) or [] if x != me), me]
+            s["election"] = el
+            await self.client.put_settings(s)
+            self.note.setText(f"this node is now in election.{key}")
+
+        self._spawn(go())
+
+    def _spawn(self, coro: Any) -> None:
+        async def guarded() -> None:
+            try:
+                await coro
+            except (Unreachable, ApiError) as e:
+                self.note.setText(str(e))
+
+        t = asyncio.ensure_future(guarded())
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)

@@ -1,0 +1,233 @@
+"""Settings: the agent's ``config.yaml`` (checked by the agent's own parser when saved), start
+at login, and where the chat and node map find the coordinator.
+
+The agent's settings go through its local API (``PUT /v1/settings``), so a bad value is the
+agent's own one-line error, shown here, and nothing is written. The tray's own settings
+(coordinator URL and key) live in ``tray.json`` next to ``config.yaml``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QDialog,
+    QDialogButtonBox,
+    QFormLayout,
+    QLabel,
+    QLineEdit,
+    QPlainTextEdit,
+    QSpinBox,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
+)
+
+from gui import autostart
+from gui.client import ApiError, Client, Unreachable
+
+WEIGHTS = ("", "fp32", "fp16", "int8", "int4")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def tray_settings_file() -> Path:
+    import platformdirs
+
+    h = os.environ.get("LAKESHARD_HOME")
+    d = Path(h).expanduser() / "config" if h else Path(platformdirs.user_config_dir("lakeshard"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d / "tray.json"
+
+
+def load_tray_settings() -> dict[str, Any]:
+    try:
+        d = json.loads(tray_settings_file().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def save_tray_settings(d: dict[str, Any]) -> None:
+    tray_settings_file().write_text(json.dumps(d, indent=2), encoding="utf-8")
+
+
+def merge(raw: dict[str, Any], form: dict[str, Any]) -> dict[str, Any]:
+    """The settings mapping with the form's values in place (pure; empty values remove keys)."""
+    out: dict[str, Any] = json.loads(json.dumps(raw))  # a deep copy
+
+    def put(path: str, value: Any) -> None:
+        *parents, key = path.split(".")
+        d = out
+        for p in parents:
+            d = d.setdefault(p, {})
+        if value in (None, "", []):
+            d.pop(key, None)
+        else:
+            d[key] = value
+
+    for k, v in form.items():
+        put(k, v)
+    for section in ("discovery", "election", "serve"):
+        if out.get(section) == {}:
+            out.pop(section)
+    return out
+
+
+class SettingsDialog(QDialog):
+    def __init__(self, client: Client, restart_agent: Callable[[], bool] = lambda: False) -> None:
+        super().__init__()
+        self.client = client
+        self.restart_agent = restart_agent
+        self.raw: dict[str, Any] = {}
+        self.setWindowTitle("lakeshard settings")
+        self.resize(560, 520)
+        tabs = QTabWidget()
+        f = QWidget()
+        form = QFormLayout(f)
+        self.cluster = QLineEdit()
+        self.port = QSpinBox()
+        self.port.setRange(0, 65535)
+        self.api_port = QSpinBox()
+        self.api_port.setRange(0, 65535)
+        self.mdns = QCheckBox("find peers by multicast DNS")
+        self.peers = QLineEdit()
+        self.peers.setPlaceholderText("host:port, host:port (where multicast is blocked)")
+        self.model = QLineEdit()
+        self.model.setPlaceholderText("e.g. smollm2-135m (served when this laptop coordinates)")
+        self.weights = QComboBox()
+        self.weights.addItems(WEIGHTS)
+        self.serve_port = QSpinBox()
+        self.serve_port.setRange(0, 65535)
+        self.models_dir = QLineEdit()
+        self.models_dir.setPlaceholderText("default: the cache folder")
+        self.log_level = QComboBox()
+        self.log_level.addItems(LOG_LEVELS)
+        self.autostart = QCheckBox("start lakeshard when I log in")
+        for label, w in (
+            ("Cluster", self.cluster),
+            ("Data port", self.port),
+            ("Status API port", self.api_port),
+            ("Discovery", self.mdns),
+            ("Static peers", self.peers),
+            ("Model to serve", self.model),
+            ("Weights", self.weights),
+            ("Chat API port", self.serve_port),
+            ("Model folder", self.models_dir),
+            ("Log level", self.log_level),
+            ("At login", self.autostart),
+        ):
+            form.addRow(label, w)
+        tabs.addTab(f, "Agent")
+        c = QWidget()
+        cf = QFormLayout(c)
+        self.coordinator_url = QLineEdit()
+        self.coordinator_url.setPlaceholderText("blank: through this laptop's agent (recommended)")
+        self.api_key = QLineEdit()
+        self.api_key.setEchoMode(QLineEdit.EchoMode.Password)
+        cf.addRow("Coordinator API", self.coordinator_url)
+        cf.addRow("API key", self.api_key)
+        tabs.addTab(c, "Chat")
+        a = QWidget()
+        av = QVBoxLayout(a)
+        av.addWidget(QLabel("config.yaml, checked by the agent when saved:"))
+        self.text = QPlainTextEdit()
+        av.addWidget(self.text)
+        tabs.addTab(a, "Advanced")
+        self.tabs = tabs
+        self.message = QLabel("")
+        self.message.setWordWrap(True)
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Save | QDialogButtonBox.StandardButton.Close)
+        buttons.accepted.connect(self.save)
+        buttons.rejected.connect(self.reject)
+        lay = QVBoxLayout(self)
+        lay.addWidget(tabs)
+        lay.addWidget(self.message)
+        lay.addWidget(buttons)
+        self._task: asyncio.Task[Any] | None = None
+        self.saved = asyncio.Event()
+
+    # -- loading ---------------------------------------------------------------------------------
+    def load(self) -> None:
+        self._task = asyncio.ensure_future(self.async_load())
+
+    async def async_load(self) -> None:
+        try:
+            cur = await self.client.settings()
+        except (Unreachable, ApiError) as e:
+            self.message.setText(f"the agent does not answer, so its settings cannot be read: {e}")
+            return
+        self.raw = cur.get("settings") or {}
+        self.fill(self.raw, cur.get("text", ""), cur.get("file", ""))
+
+    def fill(self, raw: dict[str, Any], text: str, file: str) -> None:
+        disc, serve = raw.get("discovery") or {}, raw.get("serve") or {}
+        self.cluster.setText(str(raw.get("cluster_id", "default")))
+        self.port.setValue(int(raw.get("port", 7700)))
+        self.api_port.setValue(int(raw.get("api_port", 7701)))
+        self.mdns.setChecked(bool(disc.get("mdns", True)))
+        self.peers.setText(", ".join(disc.get("static_peers") or []))
+        self.model.setText(str(serve.get("model") or ""))
+        self.weights.setCurrentText(str(serve.get("weights") or ""))
+        self.serve_port.setValue(int(serve.get("api_port", 8000)))
+        self.models_dir.setText(str(raw.get("models_dir") or ""))
+        self.log_level.setCurrentText(str(raw.get("log_level", "debug")))
+        self.autostart.setChecked(autostart.is_enabled())
+        self.text.setPlainText(text)
+        tray = load_tray_settings()
+        self.coordinator_url.setText(tray.get("coordinator_url") or "")
+        self.api_key.setText(tray.get("api_key") or "")
+        self.message.setText(f"settings file: {file}")
+
+    def form(self) -> dict[str, Any]:
+        peers = [p.strip() for p in self.peers.text().split(",") if p.strip()]
+        return {
+            "cluster_id": self.cluster.text().strip() or "default",
+            "port": self.port.value(),
+            "api_port": self.api_port.value(),
+            "discovery.mdns": None if self.mdns.isChecked() else False,
+            "discovery.static_peers": peers,
+            "serve.model": self.model.text().strip(),
+            "serve.weights": self.weights.currentText(),
+            "serve.api_port": self.serve_port.value() if self.serve_port.value() != 8000 else None,
+            "models_dir": self.models_dir.text().strip(),
+            "log_level": self.log_level.currentText() if self.log_level.currentText() != "debug" else None,
+        }
+
+    # -- saving ----------------------------------------------------------------------------------
+    def save(self) -> None:
+        self._task = asyncio.ensure_future(self.async_save())
+
+    async def async_save(self) -> bool:
+        self.saved.clear()
+        advanced = self.tabs.currentIndex() == 2
+        try:
+            if advanced:
+                r = await self.client.put_settings(text=self.text.toPlainText())
+            else:
+                r = await self.client.put_settings(merge(self.raw, self.form()))
+        except ApiError as e:
+            self.message.setText(f"not saved: {e}")
+            return False
+        except Unreachable as e:
+            self.message.setText(f"not saved: the agent does not answer ({e})")
+            return False
+        where = autostart.set_enabled(self.autostart.isChecked())
+        tray = load_tray_settings()
+        tray["coordinator_url"] = self.coordinator_url.text().strip() or None
+        tray["api_key"] = self.api_key.text() or None
+        save_tray_settings(tray)
+        msg = f"saved to {r.get('file')}; start at login: {'on' if self.autostart.isChecked() else 'off'} ({where})"
+        if r.get("restart"):
+            msg += f". {', '.join(r['restart'])} apply after the agent restarts"
+            msg += "; restarting it now." if self.restart_agent() else "; restart it to apply them."
+        self.message.setText(msg)
+        await self.async_load()
+        self.saved.set()
+        return True

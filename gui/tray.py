@@ -1,0 +1,296 @@
+"""The tray icon and its menu: the laptop's state at a glance, and the way to everything else.
+
+:class:`TrayApp` follows the local agent (``/v1/node``, every ``poll_s``) and the cluster's
+event stream, keeps the icon and tooltip current, rebuilds its menu each time it opens, and
+notifies the user of what concerns them. All network work is asyncio on the Qt loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from PySide6.QtCore import QObject, QTimer, QUrl, Signal
+from PySide6.QtGui import QAction, QDesktopServices
+from PySide6.QtWidgets import QMenu, QMessageBox, QSystemTrayIcon
+
+from agent.protocol.events import ClusterView, Event, Snapshot, apply_event
+from gui.agent_process import AgentProcess, log_folder
+from gui.client import Client, Unreachable
+from gui.icons import app_icon, state_icon
+from gui.state import TOOLTIPS, Notice, TrayState, cluster_notices, notices, status_line, tray_state
+
+log = logging.getLogger(__name__)
+HOUR_S = 3600.0
+
+
+class TrayApp(QObject):
+    node_changed = Signal(object)  # the local agent's /v1/node (dict), or None
+    cluster_event = Signal(object)  # (Event, ClusterView | None) from the coordinator's stream
+    notified = Signal(str, str)
+
+    def __init__(
+        self,
+        client: Client,
+        agent: AgentProcess | None = None,
+        *,
+        poll_s: float = 1.0,
+        on_quit: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__()
+        self.client = client
+        self.agent = agent
+        self.poll_s = poll_s
+        self.on_quit = on_quit
+        self.node: dict[str, Any] | None = None
+        self.error: str | None = None
+        self.view: ClusterView | None = None
+        self.last_coordinator: str | None = None
+        self.names: dict[str, str] = {}
+        self.state = TrayState.NO_CLUSTER
+        self.shown: list[Notice] = []
+        self.icon = QSystemTrayIcon(state_icon(self.state))
+        self.menu = QMenu()
+        self.menu.aboutToShow.connect(self.build_menu)
+        self.icon.setContextMenu(self.menu)
+        self.icon.activated.connect(self._activated)
+        self.chat: Any = None
+        self.map: Any = None
+        self.settings: Any = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._tray_timer = QTimer(self)
+        self._tray_timer.timeout.connect(self._show_when_tray_exists)
+        self.build_menu()
+        self._apply()
+
+    # -- running ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Begin following the agent and the cluster; the icon appears once a tray exists."""
+        self._tasks.append(asyncio.ensure_future(self._follow_node()))
+        self._tasks.append(asyncio.ensure_future(self._follow_events()))
+        self._show_when_tray_exists()
+        if not self.icon.isVisible():
+            self._tray_timer.start(1000)
+
+    def _show_when_tray_exists(self) -> None:
+        # at login the panel may come up after us: wait for it instead of failing
+        if QSystemTrayIcon.isSystemTrayAvailable():
+            self.icon.show()
+            self._tray_timer.stop()
+
+    async def async_stop(self) -> None:
+        self._tray_timer.stop()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+        for w in (self.chat, self.map):
+            if w is not None and hasattr(w, "async_stop"):
+                await w.async_stop()
+        self.icon.hide()
+        await self.client.close()
+
+    async def _follow_node(self) -> None:
+        while True:
+            await self.async_refresh()
+            await asyncio.sleep(self.poll_s)
+
+    async def async_refresh(self) -> None:
+        """Read the local agent once (start it again if we started it and it died)."""
+        if self.agent is not None and self.agent.exited():
+            self._set(None, self.agent.failure())
+            return
+        try:
+            node = await self.client.node()
+        except Unreachable as e:
+            if self.agent is not None and not self.agent.started_here:
+                ok = await self.agent.async_ensure(timeout=2.0)  # the agent we attached to went away
+                self._set(None, None if ok else self.agent.error)
+            else:
+                self._set(None, str(e) if self.node is not None else None)
+            return
+        self._set(node, None)
+
+    def _set(self, node: dict[str, Any] | None, error: str | None) -> None:
+        for n in notices(self.node, node):
+            self.notify(n)
+        self.node, self.error = node, error
+        self._apply()
+        self.node_changed.emit(node)
+
+    def _apply(self) -> None:
+        self.state = tray_state(self.node, self.error)
+        self.icon.setIcon(state_icon(self.state))
+        self.icon.setToolTip(f"lakeshard: {TOOLTIPS[self.state]}\n{status_line(self.node, self.error)}")
+
+    async def _follow_events(self) -> None:
+        while True:
+            try:
+                async for ev in self.client.events():
+                    self.on_event(ev)
+            except Unreachable:
+                pass
+            except Exception as e:  # a malformed event: say so, reconnect
+                log.warning("cluster event stream: %s", e)
+            await asyncio.sleep(1.0)
+
+    def on_event(self, ev: Event) -> None:
+        for n in cluster_notices(self.last_coordinator, ev, self.names):
+            self.notify(n)
+        self.view = apply_event(self.view, ev)
+        if self.view is not None:
+            self.names.update({n.node: n.name for n in self.view.nodes})
+            if self.view.coordinator is not None:
+                self.last_coordinator = self.view.coordinator
+        elif isinstance(ev, Snapshot):
+            self.last_coordinator = ev.view.coordinator
+        self.cluster_event.emit((ev, self.view))
+
+    def notify(self, n: Notice) -> None:
+        self.shown.append(n)
+        self.notified.emit(n.title, n.text)
+        if self.icon.isVisible() and self.icon.supportsMessages():
+            self.icon.showMessage(n.title, n.text, app_icon(), 8000)
+
+    # -- the menu ---------------------------------------------------------------------------------
+    def build_menu(self) -> None:
+        """Rebuilt each time it opens, so that it says what is true now."""
+        m = self.menu
+        m.clear()
+        head = m.addAction(status_line(self.node, self.error))
+        head.setEnabled(False)
+        m.addSeparator()
+        self._add(m, "Open chat", self.show_chat)
+        self._add(m, "Node map", self.show_map)
+        m.addSeparator()
+        paused = (self.node or {}).get("state") == "paused" and (self.node or {}).get("reason") == "user"
+        if paused:
+            self._add(m, "Resume contributing", lambda: self._run(self.async_resume()))
+        else:
+            sub = m.addMenu("Pause contributing")
+            sub.setObjectName("pause")
+            self._add(sub, "For 1 hour", lambda: self._run(self.async_pause(HOUR_S)))
+            self._add(sub, "Until I resume", lambda: self._run(self.async_pause(None)))
+            sub.setEnabled(self.node is not None)
+        if self.error and self.agent is not None:
+            self._add(m, "Restart the agent", lambda: self._run(self.async_restart_agent()))
+        m.addSeparator()
+        self._add(m, "Settings…", self.show_settings)
+        self._add(m, "Open logs folder", self.open_logs)
+        self._add(m, "About lakeshard", self.show_about)
+        m.addSeparator()
+        self._add(m, "Quit", self.quit)
+
+    def _add(self, menu: QMenu, text: str, slot: Callable[[], Any]) -> QAction:
+        a = menu.addAction(text)
+        a.triggered.connect(slot)
+        return a
+
+    def action(self, text: str) -> QAction | None:
+        """The menu's action called ``text`` (submenus included), as it is now."""
+        for a in self.menu.actions():
+            if a.text() == text:
+                return a
+            sub = a.menu()
+            if isinstance(sub, QMenu):
+                for b in sub.actions():
+                    if b.text() == text:
+                        return b
+        return None
+
+    def _run(self, coro: Coroutine[Any, Any, Any]) -> None:
+        self._tasks.append(asyncio.ensure_future(coro))
+        self._tasks = [t for t in self._tasks if not t.done()]
+
+    def _activated(self, reason: QSystemTrayIcon.ActivationReason) -> None:
+        if reason == QSystemTrayIcon.ActivationReason.Trigger:
+            self.show_chat()
+
+    # -- actions ----------------------------------------------------------------------------------
+    async def async_pause(self, for_s: float | None) -> None:
+        try:
+            self._set(await self.client.set_state("paused", for_s), None)
+        except Unreachable as e:
+            self._set(self.node, str(e))
+
+    async def async_resume(self) -> None:
+        try:
+            self._set(await self.client.set_state("available"), None)
+        except Unreachable as e:
+            self._set(self.node, str(e))
+
+    async def async_restart_agent(self) -> None:
+        if self.agent is None:
+            return
+        self.agent.stop()
+        self.agent.proc = None
+        self._set(None, None)
+        ok = await self.agent.async_ensure()
+        self._set(None, None if ok else self.agent.error)
+
+    def show_chat(self) -> None:
+        from gui.chat.window import ChatWindow
+
+        if self.chat is None:
+            self.chat = ChatWindow(self.client, names=self.names)
+        _raise(self.chat)
+
+    def show_map(self) -> None:
+        from gui.nodemap import NodeMapWindow
+
+        if self.map is None:
+            self.map = NodeMapWindow(self.client, me=lambda: (self.node or {}).get("node"))
+            self.cluster_event.connect(self.map.on_event)
+            if self.view is not None:
+                self.map.on_event((Snapshot(time.time(), self.view), self.view))
+        _raise(self.map)
+
+    def show_settings(self) -> None:
+        from gui.settings import SettingsDialog
+
+        if self.settings is None:
+            self.settings = SettingsDialog(self.client, restart_agent=self._restart_if_ours)
+        self.settings.load()
+        _raise(self.settings)
+
+    def _restart_if_ours(self) -> bool:
+        if self.agent is None or not self.agent.started_here:
+            return False
+        self._run(self.async_restart_agent())
+        return True
+
+    def open_logs(self) -> None:
+        folder = (self.node or {}).get("log_dir") or str(log_folder())
+        QDesktopServices.openUrl(QUrl.fromLocalFile(folder))
+
+    def show_about(self) -> None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            __version__ = version("lakeshard")
+        except PackageNotFoundError:
+            __version__ = "(development)"
+        n = self.node or {}
+        QMessageBox.about(
+            None,
+            "About lakeshard",
+            f"<b>lakeshard {__version__}</b><br>Pools the idle laptops of an office into one LLM.<br><br>"
+            f"This laptop: {n.get('name') or '-'} (node {n.get('node') or '-'})<br>"
+            f"Cluster: {n.get('cluster') or '-'}<br>Logs: {n.get('log_dir') or log_folder()}",
+        )
+
+    def quit(self) -> None:
+        if self.on_quit is not None:
+            self.on_quit()
+
+
+def _raise(w: Any) -> None:
+    w.show()
+    w.raise_()
+    w.activateWindow()
