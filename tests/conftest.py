@@ -20,6 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 # every process the suite starts keeps OpenVINO's compiled-model cache small (CI disks are)
 os.environ.setdefault("LAKESHARD_COMPILE_CACHE_MB", "512")
+# Qt widgets are tested offscreen (the real tray host test starts its own X server)
+os.environ["QT_QPA_PLATFORM"] = "offscreen"
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 warnings.filterwarnings("ignore", message=".*non-writable.*")
 

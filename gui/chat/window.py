@@ -64,6 +64,7 @@ def answer_stats(stats: dict[str, Any], names: dict[str, str]) -> str:
 
 class ChatWindow(QMainWindow):
     answered = Signal(int)  # a message id, once its answer is complete (or stopped)
+    chunk = Signal(str)  # each piece of an answer as it streams in
     input: QPlainTextEdit
     system: QPlainTextEdit
 
@@ -80,6 +81,7 @@ class ChatWindow(QMainWindow):
         self.live: dict[str, Any] | None = None  # the answer being streamed: message id, text, stats
         self._last_render = 0.0
         self._probe: asyncio.Task[None] | None = None
+        self._stopped = False
         self.setWindowTitle("lakeshard chat")
         self.setWindowIcon(app_icon())
         self.resize(980, 680)
@@ -244,6 +246,8 @@ class ChatWindow(QMainWindow):
             self.delete(self.conversation)
 
     def _save_draft(self) -> None:
+        if self._stopped:
+            return
         if self.conversation is not None and self.store.get(self.conversation) is not None:
             self.store.set_draft(self.conversation, self.input.toPlainText())
 
@@ -334,6 +338,7 @@ class ChatWindow(QMainWindow):
                         first = time.perf_counter()
                         self.status.setText("answering…")
                     self.live["text"] += ch.text
+                    self.chunk.emit(ch.text)
                 if ch.stats:
                     stats["nodes"] = ch.stats.get("nodes") or []
                     stats["tokens"] = ch.stats.get("completion_tokens")
@@ -421,7 +426,10 @@ class ChatWindow(QMainWindow):
         self.model.blockSignals(False)
 
     async def async_stop(self) -> None:
+        """Save the draft, stop what runs (an answer being streamed is stopped); the store stays open."""
         self._save_draft()
+        self._draft_timer.stop()
+        self._stopped = True
         for t in (self.streaming, self._probe):
             if t is not None:
                 t.cancel()
