@@ -22,6 +22,7 @@ def add_parsers(sub: Any, port_type: Any, positive_int: Any) -> None:
     ag.add_argument("--api-port", type=port_type, help="local status API port on 127.0.0.1 (default 7701; 0: any)")
     ag.add_argument("--config", type=Path, help="settings file (default: config.yaml in the config folder)")
     ag.add_argument("--cluster", help="cluster id (default: settings, else 'default')")
+    ag.add_argument("--name", help="what node maps call this laptop (default: settings, else the host name)")
     ag.add_argument("--static-peers", help="host:port,... to reach where multicast is blocked")
     ag.add_argument("--no-mdns", action="store_true", help="do not use multicast DNS (static peers only)")
     ag.add_argument("--interface", help="the IP address to advertise and to be reached on (default: all)")
@@ -53,7 +54,7 @@ def add_parsers(sub: Any, port_type: Any, positive_int: Any) -> None:
 
 
 def run_agent(args: argparse.Namespace) -> int:
-    from agent.config import ConfigError, check_cluster_id, load, parse_peer
+    from agent.config import ConfigError, check_cluster_id, check_name, load, parse_peer
 
     try:
         settings = load(args.config)
@@ -64,6 +65,7 @@ def run_agent(args: argparse.Namespace) -> int:
             port=args.port,
             api_port=args.api_port,
             cluster_id=check_cluster_id(args.cluster) if args.cluster else None,
+            name=check_name(args.name, "--name") if args.name is not None else None,
             static_peers=peers,
             mdns=False if args.no_mdns else None,
             interface=args.interface,

@@ -4,6 +4,7 @@ Every key is optional; a bad value is a :class:`ConfigError` naming the key, nev
 halfway through start-up. Example::
 
     cluster_id: office-3f
+    name: Alice's laptop  # what node maps call it (default: the host name)
     port: 7700          # data plane (TCP) and peer messages (UDP)
     api_port: 7701      # local status API, 127.0.0.1 only
     discovery:
@@ -52,6 +53,7 @@ class Settings:
     exclude: frozenset[str] = field(default_factory=frozenset)
     min_coordinator_memory: int = 2 * 1024**3
     interface: str | None = None  # the address to advertise (default: every interface's)
+    name: str | None = None  # what node maps call this laptop (default: its host name)
     log_level: str = "debug"  # what the log file keeps: debug, info, warning or error
     models_dir: str | None = None  # where models are stored (default: the cache folder)
     serve_model: str | None = None
@@ -84,6 +86,12 @@ def check_cluster_id(v: Any) -> str:
     return v
 
 
+def check_name(v: Any, key: str = "name") -> str:
+    if not isinstance(v, str) or not v.strip() or len(v) > 64 or not v.isprintable():
+        raise ConfigError(f"{key}: {v!r} must be 1-64 printable characters")
+    return v.strip()
+
+
 def _port(d: dict[str, Any], key: str, default: int) -> int:
     v = d.get(key, default)
     if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 65535:
@@ -106,7 +114,18 @@ def _section(d: dict[str, Any], key: str) -> dict[str, Any]:
     return v
 
 
-KNOWN = {"cluster_id", "port", "api_port", "discovery", "election", "interface", "serve", "log_level", "models_dir"}
+KNOWN = {
+    "cluster_id",
+    "port",
+    "api_port",
+    "discovery",
+    "election",
+    "interface",
+    "serve",
+    "log_level",
+    "models_dir",
+    "name",
+}
 LOG_LEVELS = ("debug", "info", "warning", "error")
 WEIGHTS = ("fp32", "fp16", "int8", "int4")
 
@@ -139,6 +158,9 @@ def parse(d: Any) -> Settings:
     iface = d.get("interface")
     if iface is not None and not isinstance(iface, str):
         raise ConfigError("interface: must be an IP address")
+    name = d.get("name")
+    if name is not None:
+        name = check_name(name)
     level = d.get("log_level", "debug")
     if level not in LOG_LEVELS:
         raise ConfigError(f"log_level: {level!r} must be one of {', '.join(LOG_LEVELS)}")
@@ -155,6 +177,7 @@ def parse(d: Any) -> Settings:
         exclude=frozenset(_nodes(elec.get("exclude"), "election.exclude")),
         min_coordinator_memory=int(mem * 1024**3),
         interface=iface,
+        name=name,
         log_level=level,
         models_dir=mdir,
         serve_model=model,

@@ -26,7 +26,7 @@ import signal
 import socket
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -48,7 +48,21 @@ from agent.server import make_app
 from agent.stage_host import StageHost
 
 log = logging.getLogger(__name__)
-USER_PAUSE = "user"  # the reason of a pause from the status API (the tray's switch)
+# settings a running agent takes at once, and those it takes at its next start
+LIVE_KEYS = ("preferred", "exclude", "min_coordinator_memory", "log_level", "name")
+RESTART_KEYS = (
+    "cluster_id",
+    "port",
+    "api_port",
+    "mdns",
+    "static_peers",
+    "interface",
+    "serve_model",
+    "serve_weights",
+    "serve_api_port",
+    "serve_streams",
+    "models_dir",
+)
 
 
 @dataclass(frozen=True)
@@ -78,7 +92,7 @@ class AgentDaemon:
             version=__version__,
             mem_total=psutil.virtual_memory().total,
             mem_free=lambda: int(psutil.virtual_memory().available),
-            name=socket.gethostname()[:64] or None,
+            name=settings.name or socket.gethostname()[:64] or None,
         )
         self.elector: Elector | None = None
         self.discovery: Discovery | None = None
@@ -199,17 +213,17 @@ class AgentDaemon:
         self.me.reason = None if state == "available" else reason
         self.paused_until = time.time() + for_s if for_s and state != "available" else None
 
-    def apply_settings(self, new: Settings) -> list[str]:
-        """Take new settings; the election's apply at once. Returns those that need a restart."""
-        old = self.settings
-        restart = [
-            k
-            for k in ("cluster_id", "port", "api_port", "mdns", "static_peers", "interface", "serve_model")
-            if getattr(old, k) != getattr(new, k)
-        ]
-        live = {"preferred", "exclude", "min_coordinator_memory", "serve_weights", "serve_streams"}
-        kept = {k: getattr(old, k) for k in vars(old) if k not in live}
-        self.settings = type(old)(**{**vars(new), **kept})
+    def apply_settings(self, new: Settings, before: Settings | None = None) -> list[str]:
+        """Take new settings from the settings file (``before``: what it said until now).
+
+        The election's settings apply at once; the rest take effect at the next start, and the
+        names of those that changed are returned."""
+        was = before or self.settings
+        restart = [k for k in RESTART_KEYS if getattr(was, k) != getattr(new, k)]
+        live = {k: getattr(new, k) for k in LIVE_KEYS}
+        self.settings = replace(self.settings, **live)
+        if new.name != was.name:
+            self.me.name = new.name or socket.gethostname()[:64] or None
         if self.elector is not None:
             self.elector.settings = self.settings
         return restart

@@ -93,11 +93,16 @@ def _layers_of(v: ClusterView) -> list[tuple[int, int]]:
     return [by.get(r) or (0, 1) for r in v.ring]
 
 
+class HubClosed(Exception):
+    """The hub stopped (its node no longer coordinates): readers must find the new one."""
+
+
 class Subscription:
     def __init__(self, hub: EventHub) -> None:
         self.hub = hub
         self.queue: asyncio.Queue[Event] = asyncio.Queue(QUEUE)
         self.resyncs = 0
+        self.closed = asyncio.Event()
 
     def offer(self, ev: Event) -> None:
         try:
@@ -111,10 +116,24 @@ class Subscription:
                 self.queue.put_nowait(Snapshot(time.time(), view))
 
     async def get(self) -> Event:
-        return await self.queue.get()
+        """The next event; raises HubClosed once the hub has stopped."""
+        if self.closed.is_set() and self.queue.empty():
+            raise HubClosed()
+        getter = asyncio.ensure_future(self.queue.get())
+        ended = asyncio.ensure_future(self.closed.wait())
+        try:
+            await asyncio.wait({getter, ended}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ended.cancel()
+            if not getter.done():
+                getter.cancel()
+        if getter.done() and not getter.cancelled():
+            return getter.result()
+        raise HubClosed()
 
     def close(self) -> None:
         self.hub.subscribers.discard(self)
+        self.closed.set()
 
 
 class EventHub:
@@ -134,6 +153,9 @@ class EventHub:
             self._task = asyncio.create_task(self._run())
 
     async def async_stop(self) -> None:
+        """Stop, and end every subscription (their readers then look for the next coordinator)."""
+        for s in list(self.subscribers):
+            s.close()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -198,7 +220,7 @@ async def async_serve_events(request: web.Request, hub: EventHub) -> web.WebSock
                 getter.cancel()
                 break
             await ws.send_str(getter.result().to_json())
-    except (ConnectionError, RuntimeError):
+    except (ConnectionError, RuntimeError, HubClosed):
         pass
     finally:
         sub.close()

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp import web
 
-from agent.eventstream import HEARTBEAT_S, EventHub, async_serve_events
+from agent.eventstream import HEARTBEAT_S, EventHub, HubClosed, async_serve_events
 from agent.protocol.events import MAX_EVENT_BYTES, CoordinatorLost
 
 log = logging.getLogger(__name__)
@@ -176,9 +176,9 @@ async def async_relay_events(request: web.Request) -> web.WebSocketResponse:
             if t is not None:
                 last = t.node
                 if t.hub is not None:
-                    await _relay_hub(ws, t.hub, door, t, gone)
+                    await _relay_hub(ws, t.hub, door, gone)
                 elif t.peer is not None and door.session is not None:
-                    await _relay_peer(ws, t.peer, door.session, gone)
+                    await _relay_peer(ws, t, door, gone)
                 lost_said = False
             if gone.is_set() or ws.closed:
                 break
@@ -197,7 +197,13 @@ async def async_relay_events(request: web.Request) -> web.WebSocketResponse:
     return ws
 
 
-async def _relay_hub(ws: web.WebSocketResponse, hub: EventHub, door: Door, t: Target, gone: asyncio.Event) -> None:
+def _still(door: Door, t: Target) -> bool:
+    """Whether ``t`` is still where the coordinator is."""
+    now = door.coordinator_target()
+    return now is not None and now.node == t.node and now.hub is t.hub and now.peer == t.peer
+
+
+async def _relay_hub(ws: web.WebSocketResponse, hub: EventHub, door: Door, gone: asyncio.Event) -> None:
     """This node coordinates: its own hub, until it no longer does (or the client leaves)."""
     sub = hub.subscribe()
     try:
@@ -209,38 +215,43 @@ async def _relay_hub(ws: web.WebSocketResponse, hub: EventHub, door: Door, t: Ta
                 if now is None or now.hub is not hub:
                     return
                 continue
+            except HubClosed:
+                return
             await ws.send_str(ev.to_json())
     finally:
         sub.close()
 
 
-async def _relay_peer(
-    ws: web.WebSocketResponse, peer: str, session: aiohttp.ClientSession, gone: asyncio.Event
-) -> None:
-    """Another node coordinates: pass its stream on until it breaks."""
+async def _relay_peer(ws: web.WebSocketResponse, t: Target, door: Door, gone: asyncio.Event) -> None:
+    """Another node coordinates: pass its stream on until it breaks or that node no longer
+    coordinates (a stream from a deposed coordinator must not be taken for the cluster's)."""
+    assert t.peer is not None and door.session is not None
     try:
-        async with session.ws_connect(
-            f"http://{peer}/v1/cluster/events",
+        async with door.session.ws_connect(
+            f"http://{t.peer}/v1/cluster/events",
             heartbeat=HEARTBEAT_S,
             max_msg_size=MAX_EVENT_BYTES,
             timeout=aiohttp.ClientWSTimeout(ws_close=2.0),
         ) as up:
             ended = asyncio.ensure_future(gone.wait())
+            nxt = asyncio.ensure_future(up.receive())
             try:
-                while True:
-                    nxt = asyncio.ensure_future(up.receive())
-                    done, _ = await asyncio.wait({nxt, ended}, return_when=asyncio.FIRST_COMPLETED)
-                    if nxt not in done:
-                        nxt.cancel()
+                while _still(door, t):
+                    done, _ = await asyncio.wait({nxt, ended}, timeout=RECHECK_S, return_when=asyncio.FIRST_COMPLETED)
+                    if ended in done:
                         return
+                    if nxt not in done:
+                        continue  # nothing new: check that it still coordinates
                     m = nxt.result()
                     if m.type != aiohttp.WSMsgType.TEXT:
                         return
                     await ws.send_str(m.data)
+                    nxt = asyncio.ensure_future(up.receive())
             finally:
                 ended.cancel()
+                nxt.cancel()
     except (aiohttp.ClientError, OSError, TimeoutError) as e:
-        log.debug("event stream of %s: %s", peer, e)
+        log.debug("event stream of %s: %s", t.peer, e)
         await asyncio.sleep(RECHECK_S)
 
 

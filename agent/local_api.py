@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING
 import yaml
 from aiohttp import web
 
-from agent.config import ConfigError, config_file, parse
+from agent.config import ConfigError, Settings, config_file, load, parse
 from agent.gateway import add_local_routes, describe, json_errors
+from agent.logs import set_file_level
 from agent.paths import write_text_atomic
 from agent.protocol.control import STATES
 
@@ -130,7 +131,12 @@ async def _put_settings(request: web.Request) -> web.Response:
     except ConfigError as e:
         return _bad(str(e))
     path = _settings_path(d)
+    try:
+        before = load(path) if path.is_file() else None
+    except ConfigError:
+        before = None  # a broken file is being replaced
     write_text_atomic(path, text)
-    restart = d.apply_settings(new)
+    restart = d.apply_settings(new, before or Settings())
+    set_file_level(new.log_level)
     log.info("settings written to %s%s", path, f"; restart needed for {', '.join(restart)}" if restart else "")
     return web.json_response({"ok": True, "file": str(path), "restart": restart})

@@ -14,8 +14,9 @@ def stream_chat(
     url: str, messages: list[dict[str, str]], *, max_tokens: int, temperature: float, api_key: str | None = None
 ) -> Iterator[str]:
     """Yield text deltas of a streamed chat completion."""
+    # no "model": the coordinator answers with the one it serves
     body = json.dumps(
-        {"model": "default", "messages": messages, "stream": True, "max_tokens": max_tokens, "temperature": temperature}
+        {"messages": messages, "stream": True, "max_tokens": max_tokens, "temperature": temperature}
     ).encode()
     headers = {"Content-Type": "application/json"}
     if api_key:
@@ -32,9 +33,10 @@ def stream_chat(
             chunk = json.loads(data)
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
-            delta = chunk["choices"][0]["delta"].get("content")
-            if delta:
-                yield delta
+            for choice in chunk.get("choices", []):  # a usage chunk has none
+                delta = choice["delta"].get("content")
+                if delta:
+                    yield delta
 
 
 def run_chat(args: argparse.Namespace) -> int:

@@ -37,6 +37,7 @@ class LocalCluster:
         log_dir: Path | None = None,
         elect: Sequence[str] | None = None,
         agent_args: Sequence[str] = (),
+        names: Sequence[str] | None = None,
     ) -> None:
         """``elect``: run full agents (election, no multicast, loopback peers) with these extra
         arguments, instead of standalone stage servers driven by a ``serve`` coordinator.
@@ -54,6 +55,7 @@ class LocalCluster:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.elect = elect
         self.agent_args = list(agent_args)
+        self.names = list(names) if names is not None else None  # what node maps call each agent
         self._homes: tempfile.TemporaryDirectory[str] | None = None
 
     @property
@@ -78,6 +80,8 @@ class LocalCluster:
             if self.device:
                 cmd += ["--device", self.device]
             cmd += self.agent_args
+            if self.names is not None:
+                cmd += ["--name", self.names[i]]
             if self.cores is not None:
                 cmd = ["taskset", "-c", ",".join(map(str, self.cores[i])), *cmd]
             out = open(self.log_dir / f"agent{i}.log", "wb") if self.log_dir else subprocess.DEVNULL  # noqa: SIM115

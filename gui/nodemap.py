@@ -46,7 +46,7 @@ from gui.client import ApiError, Client, Unreachable
 from gui.icons import app_icon
 
 STATE_COLOURS = {"available": "#16a34a", "limited": "#d97706", "paused": "#64748b"}
-BOX_W, BOX_H = 190, 112
+BOX_W, BOX_H = 236, 112
 GIB = 1024**3
 
 
@@ -154,23 +154,23 @@ class MapCanvas(QWidget):
                 break
             a, b = boxes[n].center(), boxes[ring[(i + 1) % len(ring)]].center()
             p.drawLine(a, b)
-            mid = (a + b) / 2
-            p.setBrush(QColor("#0e7490"))
-            p.drawEllipse(mid, 4, 4)
+            _arrow(p, a, b)
         for node, r in boxes.items():
             info = v.node(node)
             if info is not None:
                 self._box(p, r, info, node == v.coordinator, node == self.me)
         p.setPen(QColor("#334155"))
-        head = f"{v.cluster} · term {v.term} · {v.model or 'no model'} ({v.service}) · {v.streams} answering"
+        head = f"{v.cluster} · term {v.term} · {v.model or 'no model'} ({v.service}) · {v.streams} answering · ★ coordinator"
         p.drawText(QRectF(8, 4, self.width() - 16, 20), Qt.AlignmentFlag.AlignLeft, head)
 
     def _box(self, p: QPainter, r: QRectF, n: NodeInfo, coordinator: bool, me: bool) -> None:
         path = QPainterPath()
         path.addRoundedRect(r, 10, 10)
+        p.setBrush(Qt.BrushStyle.NoBrush)
         p.fillPath(path, QBrush(QColor("#ffffff")))
-        border = QColor("#2563eb") if coordinator else QColor("#cbd5e1")
-        p.setPen(QPen(border, 4 if coordinator else (3 if n.node == self.selected else 1.5)))
+        selected = n.node == self.selected
+        border = QColor("#2563eb") if coordinator else QColor("#0ea5e9" if selected else "#cbd5e1")
+        p.setPen(QPen(border, 4 if coordinator or selected else 1.5))
         p.drawPath(path)
         p.fillRect(QRectF(r.left() + 1, r.top() + 8, 8, r.height() - 16), QColor(STATE_COLOURS.get(n.state, "#64748b")))
         lines = node_lines(n)
@@ -178,7 +178,7 @@ class MapCanvas(QWidget):
         f.setBold(True)
         p.setFont(f)
         p.setPen(QColor("#0f172a"))
-        title = lines[0] + ("  ★ coordinator" if coordinator else "") + ("  (this laptop)" if me else "")
+        title = ("★ " if coordinator else "") + lines[0] + (" (this laptop)" if me else "")
         p.drawText(QRectF(r.left() + 16, r.top() + 6, r.width() - 20, 18), Qt.AlignmentFlag.AlignLeft, title)
         f.setBold(False)
         p.setFont(f)
@@ -187,6 +187,22 @@ class MapCanvas(QWidget):
             p.drawText(
                 QRectF(r.left() + 16, r.top() + 26 + 20 * i, r.width() - 20, 18), Qt.AlignmentFlag.AlignLeft, line
             )
+
+
+def _arrow(p: QPainter, a: QPointF, b: QPointF) -> None:
+    """An arrowhead halfway along a -> b (the ring's direction)."""
+    mid = (a + b) / 2
+    d = b - a
+    length = math.hypot(d.x(), d.y()) or 1.0
+    ux, uy = d.x() / length, d.y() / length
+    tip = QPointF(mid.x() + 8 * ux, mid.y() + 8 * uy)
+    left = QPointF(mid.x() - 8 * ux - 6 * uy, mid.y() - 8 * uy + 6 * ux)
+    right = QPointF(mid.x() - 8 * ux + 6 * uy, mid.y() - 8 * uy - 6 * ux)
+    path = QPainterPath(tip)
+    path.lineTo(left)
+    path.lineTo(right)
+    path.closeSubpath()
+    p.fillPath(path, QBrush(QColor("#0e7490")))
 
 
 class NodeMapWindow(QMainWindow):

@@ -92,6 +92,8 @@ class SettingsDialog(QDialog):
         f = QWidget()
         form = QFormLayout(f)
         self.cluster = QLineEdit()
+        self.name = QLineEdit()
+        self.name.setPlaceholderText("what the node map calls this laptop (default: its host name)")
         self.port = QSpinBox()
         self.port.setRange(0, 65535)
         self.api_port = QSpinBox()
@@ -112,6 +114,7 @@ class SettingsDialog(QDialog):
         self.autostart = QCheckBox("start lakeshard when I log in")
         for label, w in (
             ("Cluster", self.cluster),
+            ("Name", self.name),
             ("Data port", self.port),
             ("Status API port", self.api_port),
             ("Discovery", self.mdns),
@@ -169,6 +172,7 @@ class SettingsDialog(QDialog):
     def fill(self, raw: dict[str, Any], text: str, file: str) -> None:
         disc, serve = raw.get("discovery") or {}, raw.get("serve") or {}
         self.cluster.setText(str(raw.get("cluster_id", "default")))
+        self.name.setText(str(raw.get("name") or ""))
         self.port.setValue(int(raw.get("port", 7700)))
         self.api_port.setValue(int(raw.get("api_port", 7701)))
         self.mdns.setChecked(bool(disc.get("mdns", True)))
@@ -187,10 +191,13 @@ class SettingsDialog(QDialog):
 
     def form(self) -> dict[str, Any]:
         peers = [p.strip() for p in self.peers.text().split(",") if p.strip()]
+        # defaults are left out, so that the file says only what was chosen
+        cluster = self.cluster.text().strip()
         return {
-            "cluster_id": self.cluster.text().strip() or "default",
-            "port": self.port.value(),
-            "api_port": self.api_port.value(),
+            "cluster_id": cluster if cluster not in ("", "default") else None,
+            "name": self.name.text().strip(),
+            "port": self.port.value() if self.port.value() != 7700 else None,
+            "api_port": self.api_port.value() if self.api_port.value() != 7701 else None,
             "discovery.mdns": None if self.mdns.isChecked() else False,
             "discovery.static_peers": peers,
             "serve.model": self.model.text().strip(),
@@ -227,7 +234,7 @@ class SettingsDialog(QDialog):
         if r.get("restart"):
             msg += f". {', '.join(r['restart'])} apply after the agent restarts"
             msg += "; restarting it now." if self.restart_agent() else "; restart it to apply them."
-        self.message.setText(msg)
         await self.async_load()
+        self.message.setText(msg)
         self.saved.set()
         return True

@@ -177,3 +177,19 @@ async def test_a_subscriber_that_falls_behind_gets_a_snapshot_not_a_backlog() ->
 def test_events_are_plain_json_objects_with_a_type() -> None:
     d = json.loads(NodeLeft(1.0, "bbb", "laptop-b").to_json())
     assert d == {"type": "node_left", "at": 1.0, "node": "bbb", "name": "laptop-b"}
+
+
+async def test_a_stopped_hub_ends_its_subscriptions() -> None:
+    """A coordinator that steps down ends its readers' streams, so that relays find the new one."""
+    from agent.eventstream import HubClosed
+
+    hub = EventHub(lambda: V, interval=0.01)
+    hub.start()
+    sub = hub.subscribe()
+    assert isinstance(await sub.get(), Snapshot)
+    waiting = asyncio.ensure_future(sub.get())
+    await asyncio.sleep(0.05)
+    await hub.async_stop()
+    with pytest.raises(HubClosed):
+        await asyncio.wait_for(waiting, 1.0)
+    assert not hub.subscribers

@@ -353,3 +353,66 @@ def test_the_node_map_shows_a_node_pausing_and_dying_within_2_s_and_the_tray_a_n
         assert new and m.view is not None and m.view.coordinator in (nodes[mine], nodes[others[2]])
     finally:
         run(qloop, tray.async_stop())
+
+
+def test_settings_are_checked_by_the_agent_written_and_applied(
+    qloop: asyncio.AbstractEventLoop, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gui.settings import SettingsDialog, load_tray_settings
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))  # start at login writes here
+    monkeypatch.setenv("LAKESHARD_HOME", str(tmp_path / "tray"))  # the tray's own settings
+    with LocalCluster(1, elect=[]) as c:
+        api = _api(c.api_ports[0])
+        me = _get(f"{api}/v1/node")["node"]
+        client = Client(api)
+        d = SettingsDialog(client)
+        run(qloop, d.async_load())
+        first = _get(f"{api}/v1/settings")
+        assert not first["exists"] and d.cluster.text() == "default" and d.port.value() == 7700
+
+        # a bad value is the agent's own error, and nothing is written
+        d.tabs.setCurrentIndex(2)
+        d.text.setPlainText("port: not-a-port\n")
+        assert run(qloop, d.async_save()) is False
+        assert "port: 'not-a-port' is not a port number" in d.message.text()
+        assert not _get(f"{api}/v1/settings")["exists"]
+
+        # the form: a model to serve, a log level, start at login, a coordinator URL for the chat
+        d.tabs.setCurrentIndex(0)
+        d.model.setText("smollm2-135m")
+        d.log_level.setCurrentText("info")
+        d.autostart.setChecked(True)
+        d.coordinator_url.setText("http://10.0.0.5:8000")
+        assert run(qloop, d.async_save()) is True
+        saved = _get(f"{api}/v1/settings")
+        assert saved["settings"] == {"serve": {"model": "smollm2-135m"}, "log_level": "info"}
+        assert "serve_model apply after the agent restarts" in d.message.text()
+        assert (tmp_path / "xdg" / "autostart" / "lakeshard.desktop").is_file()
+        assert load_tray_settings()["coordinator_url"] == "http://10.0.0.5:8000"
+
+        # the election's settings apply at once: excluded, this node stops standing for coordinator
+        run(qloop, client.put_settings({**saved["settings"], "election": {"exclude": [me]}}))
+        cluster = _get(f"{api}/v1/cluster")
+        assert cluster["not_eligible_because"] == "excluded from coordinator duties by the cluster settings"
+
+        # a pause for a while ends by itself; nonsense durations are refused
+        for bad in (-1, 0, "soon", 10**9, float("nan")):
+            req = {"state": "paused", "for_s": bad}
+            status, body = _post_status(f"{api}/v1/node/state", req)
+            assert status == 400 and "for_s" in body["error"], bad
+        node = _post(f"{api}/v1/node/state", {"state": "paused", "for_s": 1.5})
+        assert node["state"] == "paused" and node["reason"] == "user"
+        time.sleep(3.0)
+        assert _get(f"{api}/v1/node")["state"] == "available"
+        run(qloop, client.close())
+
+
+def _post_status(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    import json
+    import urllib.error
+
+    try:
+        return 200, _post(url, body)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
