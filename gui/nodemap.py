@@ -160,7 +160,8 @@ class MapCanvas(QWidget):
             if info is not None:
                 self._box(p, r, info, node == v.coordinator, node == self.me)
         p.setPen(QColor("#334155"))
-        head = f"{v.cluster} · term {v.term} · {v.model or 'no model'} ({v.service}) · {v.streams} answering · ★ coordinator"
+        model = f"{v.model or 'no model'} ({v.service})"
+        head = f"{v.cluster} · term {v.term} · {model} · {v.streams} answering · ★ coordinator"
         p.drawText(QRectF(8, 4, self.width() - 16, 20), Qt.AlignmentFlag.AlignLeft, head)
 
     def _box(self, p: QPainter, r: QRectF, n: NodeInfo, coordinator: bool, me: bool) -> None:
