@@ -204,6 +204,7 @@ class AgentDaemon:
         self.me.tok_s = round(max(0.0, n - n0) / max(now - t0, 1e-3), 1)
         self._tokens_seen = (now, n)
         self.me.temp_c = temperature_c()
+        self.me.next_rtt_ms = None if self.host.next_rtt_ms is None else round(self.host.next_rtt_ms, 3)
 
     def set_state(self, state: str, reason: str | None = None, for_s: float | None = None) -> None:
         """Pause, limit or resume contributing (``for_s``: resume by itself after that long)."""
@@ -307,6 +308,7 @@ class AgentDaemon:
                 temp_c=me.temp_c,
                 tok_s=me.tok_s,
                 rtt_ms=0.0,
+                next_rtt_ms=me.next_rtt_ms,
                 stage=st["stage"],
                 layers=tuple(st["layers"]) if st["layers"] else None,
                 version=me.version,
@@ -334,6 +336,7 @@ class AgentDaemon:
                     temp_c=b.temp_c,
                     tok_s=b.tok_s,
                     rtt_ms=None if p.rtt_ms is None else round(p.rtt_ms, 2),
+                    next_rtt_ms=b.next_rtt_ms,
                     version=b.version,
                 )
             )

@@ -59,6 +59,7 @@ class LocalNode:
     reason: str | None = None  # why it is limited or paused
     temp_c: float | None = None
     tok_s: float = 0.0
+    next_rtt_ms: float | None = None
 
 
 @dataclass
@@ -270,6 +271,7 @@ class Elector:
             reason=self.me.reason,
             temp_c=self.me.temp_c,
             tok_s=self.me.tok_s,
+            next_rtt_ms=self.me.next_rtt_ms,
         )
         self._beat_sent = now if self.role is Role.COORDINATOR else None
         for addr in self._targets():

@@ -54,8 +54,14 @@ def _shown(n: NodeInfo) -> dict[str, object]:
         "score": round(n.score, -1),
         "temp_c": None if n.temp_c is None else round(n.temp_c),
         "tok_s": 0 if n.tok_s < 0.5 else max(1, round(n.tok_s, -1 if n.tok_s >= 20 else 0)),
-        "rtt_ms": None if n.rtt_ms is None else round(math.log2(max(n.rtt_ms, 0.25))),  # news when it doubles
+        "rtt_ms": _doubling(n.rtt_ms),
+        "next_rtt_ms": _doubling(n.next_rtt_ms),
     }
+
+
+def _doubling(ms: float | None) -> int | None:
+    """A round trip, in steps that double (so that jitter is not news)."""
+    return None if ms is None else round(math.log2(max(ms, 0.25)))
 
 
 def diff(old: ClusterView | None, new: ClusterView, at: float) -> list[Event]:

@@ -21,7 +21,7 @@ import aiohttp
 from aiohttp import web
 
 from agent import frametrace
-from agent.link import HEARTBEAT_S, Link
+from agent.link import HEARTBEAT_S, Link, LinkClosed
 from agent.protocol import (
     MAX_FRAME,
     Assign,
@@ -32,6 +32,8 @@ from agent.protocol import (
     HeadTop,
     Message,
     Passed,
+    Ping,
+    Pong,
     ProtocolError,
     decode,
     encode,
@@ -46,6 +48,7 @@ FENCED = frozenset({"stale_term", "unknown_term", "not_assigned"})
 
 
 MAX_PENDING = 512  # frames queued for the compute thread before new ones are refused
+PROBE_S = 1.0  # how often a stage times the round trip to its next agent
 HEAD_TIMEOUT_S = 60.0  # how long a last stage waits for stage 0's part of the head
 HEAD_SEND_WAIT_S = 0.005  # how long its compute thread waits for that request to be on the socket
 Key = tuple[str, int]  # (stream, seq)
@@ -71,6 +74,7 @@ class AgentRuntime:
         self._heads: dict[Key, tuple[HeadWait, asyncio.TimerHandle]] = {}
         self._tops: dict[Key, HeadTop] = {}
         self._aloop: asyncio.AbstractEventLoop | None = None
+        self._prober: asyncio.Task[None] | None = None
         host.loop_up = lambda: self.loop is not None and not self.loop.closed
 
     async def async_set_next(self, url: str, delay_ms: float, mbps: float = 0.0) -> None:
@@ -78,6 +82,26 @@ class AgentRuntime:
         if old is not None:
             await old.async_close()
         await self.next.async_connect()
+        self.host.next_rtt_ms = None
+        if self._prober is None or self._prober.done():
+            self._prober = asyncio.create_task(self._probe())
+
+    async def _probe(self) -> None:
+        """Time the round trip to the next agent of the ring (node maps show it on the link):
+        the link back to stage 0 for a last stage, else the next stage (not the coordinator)."""
+        while True:
+            await asyncio.sleep(PROBE_S)
+            link = self.loop if self.loop is not None else self.next
+            if link is None or link.closed or (link is self.next and link.url.endswith("/ring")):
+                continue
+            with contextlib.suppress(LinkClosed):
+                link.send_nowait(encode(Ping(sent=time.monotonic())))
+
+    def _pong(self, msg: Pong) -> None:
+        rtt = (time.monotonic() - msg.sent) * 1000
+        if 0 <= rtt < 60_000:
+            old = self.host.next_rtt_ms
+            self.host.next_rtt_ms = rtt if old is None else 0.7 * old + 0.3 * rtt
 
     async def async_set_loop(self, url: str | None, delay_ms: float, mbps: float = 0.0) -> None:
         old, self.loop = self.loop, None
@@ -92,6 +116,9 @@ class AgentRuntime:
         # along the ring to the coordinator, so they are only logged here.
         with contextlib.suppress(ProtocolError):
             msg, _ = decode(frame)
+            if isinstance(msg, Pong):
+                self._pong(msg)
+                return
             quiet = isinstance(msg, Error) and msg.code == "unknown_stream" and msg.stream in self.host.closed
             log.log(logging.DEBUG if quiet else logging.INFO, "next hop reported: %s", msg)
 
@@ -286,6 +313,8 @@ class AgentRuntime:
             self.submit_end(err)
 
     async def async_close(self) -> None:
+        if self._prober is not None:
+            self._prober.cancel()
         for t in list(self._tasks):
             t.cancel()
         for link in (self.next, self.loop):
@@ -351,6 +380,8 @@ async def _on_frame(rt: AgentRuntime, ws: web.WebSocketResponse, msg: Message, p
                 log.info("stage %d of term %d ready, but the coordinator that assigned it is gone", msg.stage, msg.term)
         elif isinstance(msg, Close | Error):
             rt.submit_end(msg)
+        elif isinstance(msg, Ping):  # the previous stage times its link to us
+            await ws.send_bytes(encode(Pong(sent=msg.sent)))
         else:
             raise ProtocolError("unexpected", f"an agent does not accept {msg.TYPE!r} frames")
     except ProtocolError as e:

@@ -92,6 +92,7 @@ class StageHost:
         self.compute = ComputeThread(spin_s=spin_ms / 1000.0)
         self.frames = 0
         self.positions = 0  # positions computed (prompt and generated tokens)
+        self.next_rtt_ms: float | None = None  # round trip to the next agent of the ring (smoothed)
         self.errors = 0
         self.compute_s = 0.0  # time spent in inference (on the compute thread)
         self.recent_ms: collections.deque[float] = collections.deque(maxlen=256)
@@ -399,6 +400,7 @@ class StageHost:
             "step_ms_p50": round(statistics.median(self.recent_ms), 3) if self.recent_ms else None,
             "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
             "fetching": self.fetching,
+            "next_rtt_ms": None if self.next_rtt_ms is None else round(self.next_rtt_ms, 3),
         }
 
     def shutdown(self) -> None:

@@ -79,6 +79,11 @@ def node_lines(n: NodeInfo) -> list[str]:
     return lines
 
 
+def link_label(ms: float) -> str:
+    """A ring link's round trip as the map writes it (pure)."""
+    return f"{ms * 1000:.0f} µs" if ms < 1 else f"{ms:.1f} ms" if ms < 100 else f"{ms:.0f} ms"
+
+
 def describe(ev: Event, names: dict[str, str]) -> str | None:
     """One line of the map's log for an event worth a line (pure)."""
     t = time.strftime("%H:%M:%S", time.localtime(ev.at))
@@ -155,6 +160,13 @@ class MapCanvas(QWidget):
             a, b = boxes[n].center(), boxes[ring[(i + 1) % len(ring)]].center()
             p.drawLine(a, b)
             _arrow(p, a, b)
+            src = v.node(n)
+            if src is not None and src.next_rtt_ms is not None:
+                label = link_label(src.next_rtt_ms)
+                mid = (a + b) / 2
+                p.setPen(QColor("#0f172a"))
+                p.drawText(QRectF(mid.x() + 8, mid.y() - 22, 120, 18), Qt.AlignmentFlag.AlignLeft, label)
+                p.setPen(pen)
         for node, r in boxes.items():
             info = v.node(node)
             if info is not None:
@@ -287,6 +299,10 @@ class NodeMapWindow(QMainWindow):
                 ("stage", "none" if n.stage is None else f"{n.stage}, layers {n.layers}"),
                 ("tok/s", f"{n.tok_s:.1f}"),
                 ("round trip", "-" if n.rtt_ms is None else f"{n.rtt_ms:.2f} ms to the coordinator"),
+                (
+                    "next hop",
+                    "-" if n.next_rtt_ms is None else f"{link_label(n.next_rtt_ms)} round trip along the ring",
+                ),
                 ("version", n.version or "?"),
             ]
             body = "".join(f"<tr><td><b>{k}</b></td><td>{v}</td></tr>" for k, v in rows)

@@ -193,3 +193,12 @@ async def test_a_stopped_hub_ends_its_subscriptions() -> None:
     with pytest.raises(HubClosed):
         await asyncio.wait_for(waiting, 1.0)
     assert not hub.subscribers
+
+
+def test_link_probes_round_trip_and_are_checked() -> None:
+    from agent.protocol import Ping, Pong, decode, encode
+
+    assert decode(encode(Ping(sent=12.5)))[0] == Ping(12.5)
+    assert decode(encode(Pong(sent=12.5)))[0] == Pong(12.5)
+    with pytest.raises(ProtocolError):
+        decode(encode(Ping(sent=-1.0)))

@@ -150,6 +150,10 @@ def test_chat_streams_the_apis_answer_and_stop_cancels_it_on_the_cluster(
     assert answer.stats["tokens"] == direct["usage"]["completion_tokens"]
     assert len(answer.stats["nodes"]) == 2  # served by both laptops
     assert w.windowTitle() and w.store.get(cid).title == question[:60]  # type: ignore[union-attr]
+    # each stage times its link to the next agent of the ring, which node maps label
+    for p in served2.api_ports:
+        st = _get(f"{_api(p)}/v1/node")["stage"]
+        assert st["assigned"] and st["next_rtt_ms"] is not None and 0 < st["next_rtt_ms"] < 1000, st
 
     # Stop: the request closes, and the coordinator ends the stream after a few tokens
     events: list[Event] = []

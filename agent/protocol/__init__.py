@@ -2,7 +2,8 @@
 
 ``codec``: the frame format, field checks and the type registry; ``data``: the ring's
 messages (fwd, ids, passed, close, error, assign); ``head``: the head-part request and answer;
-``control``: agent-to-agent beats and votes.
+``control``: agent-to-agent beats and votes; ``probe``: link round trips; ``events``: the
+cluster event stream (JSON, for node maps and trays).
 """
 
 from agent.protocol.codec import (
@@ -21,6 +22,7 @@ from agent.protocol.codec import (
 from agent.protocol.control import Ack, Beat, Vote, VoteRequest
 from agent.protocol.data import Assign, Assigned, Close, Error, Fwd, Ids, Passed, SamplingSpec, tensor
 from agent.protocol.head import Head, HeadTop
+from agent.protocol.probe import Ping, Pong
 
 __all__ = [
     "DTYPES",
@@ -42,6 +44,8 @@ __all__ = [
     "Ids",
     "Message",
     "Passed",
+    "Ping",
+    "Pong",
     "ProtocolError",
     "SamplingSpec",
     "Vote",

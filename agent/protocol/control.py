@@ -80,6 +80,7 @@ class Beat(Message):
     reason: str | None = None  # why it is limited or paused
     temp_c: float | None = None
     tok_s: float = 0.0  # positions its stage computed per second, lately
+    next_rtt_ms: float | None = None  # round trip from its stage to the next agent of the ring
 
     def header(self) -> dict[str, Any]:
         d = super().header()
@@ -108,6 +109,7 @@ class Beat(Message):
             reason=opt_str_field(h.get("reason"), "reason", 200),
             temp_c=None if h.get("temp_c") is None else float_field(h.get("temp_c"), "temp_c", -100.0, 300.0),
             tok_s=float_field(h.get("tok_s", 0.0), "tok_s", 0.0, 1e7),
+            next_rtt_ms=None if h.get("next_rtt_ms") is None else float_field(h["next_rtt_ms"], "next_rtt_ms", 0, 1e6),
         )
 
 

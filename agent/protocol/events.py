@@ -74,6 +74,7 @@ class NodeInfo:
     temp_c: float | None = None
     tok_s: float = 0.0  # positions its stage computed per second, lately
     rtt_ms: float | None = None  # round trip coordinator <-> node (beat and acknowledgement)
+    next_rtt_ms: float | None = None  # round trip from its stage to the next agent of the ring
     stage: int | None = None
     layers: tuple[int, int] | None = None  # [first, end) of the model's layers it serves
     version: str = ""
@@ -97,6 +98,7 @@ class NodeInfo:
             temp_c=_opt_float(d.get("temp_c"), "temp_c", -100.0, 300.0),
             tok_s=float_field(d.get("tok_s", 0.0), "tok_s", 0.0, 1e7),
             rtt_ms=_opt_float(d.get("rtt_ms"), "rtt_ms", 0.0, 1e6),
+            next_rtt_ms=_opt_float(d.get("next_rtt_ms"), "next_rtt_ms", 0.0, 1e6),
             stage=_opt_int(d.get("stage"), "stage", 0, MAX_NODES),
             layers=_layers(d.get("layers"), "layers"),
             version=str(d.get("version", ""))[:32],
