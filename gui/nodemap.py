@@ -301,7 +301,7 @@ class NodeMapWindow(QMainWindow):
                 ("round trip", "-" if n.rtt_ms is None else f"{n.rtt_ms:.2f} ms to the coordinator"),
                 (
                     "next hop",
-                    "-" if n.next_rtt_ms is None else f"{link_label(n.next_rtt_ms)} round trip along the ring",
+                    "-" if n.next_rtt_ms is None else f"{link_label(n.next_rtt_ms)} there and back",
                 ),
                 ("version", n.version or "?"),
             ]
