@@ -45,6 +45,13 @@ def add_parsers(sub: Any, port_type: Any, positive_int: Any) -> None:
         help="as the last stage, let stage 0 compute part of the vocabulary head for a lone stream: "
         "while it measurably pays (auto), always (on) or never (off)",
     )
+    ag.add_argument(
+        "--throttle",
+        choices=["on", "off"],
+        default="on",
+        help="yield to this laptop's user, heat and battery as the settings' throttle section says (on), "
+        "or never (off: local test clusters, where the other agents would count as the user's programs)",
+    )
     st = sub.add_parser("status", help="show this node, its peers and the coordinator, as the local agent sees them")
     st.add_argument("--api-port", type=port_type, default=None, help="the local agent's status API port")
     st.add_argument("--json", action="store_true", help="print the raw JSON of /v1/node and /v1/cluster")
@@ -91,6 +98,7 @@ def run_agent(args: argparse.Namespace) -> int:
         spin_ms=max(0.0, args.spin_ms),
         head_help=args.head_help,
         standalone=args.standalone,
+        throttle=args.throttle != "off",
     )
     try:
         run_daemon(settings, opts, args.config)

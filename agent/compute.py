@@ -62,6 +62,8 @@ def spin_pays(gaps: Iterable[float], spin_s: float) -> bool:
 class ComputeThread:
     def __init__(self, spin_s: float = 0.05, name: str = "stage-compute") -> None:
         self.spin_s = spin_s
+        # the share of the time it may compute (a limited node: each job is followed by a rest)
+        self.duty = 1.0
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.busy_s = 0.0  # time spent running jobs
@@ -133,6 +135,12 @@ class ComputeThread:
             _yield_core()
             idle_from = time.monotonic()
             self.busy_s += idle_from - t0
+            duty = self.duty
+            if duty < 1.0:  # limited: rest in proportion, and leave the core to its user
+                time.sleep((idle_from - t0) * (1.0 - duty) / max(duty, 0.01))
+                idle_from = time.monotonic()
+                spin_until = 0.0
+                continue
             spin_until = idle_from + self.spin_s if spin_pays(self.gaps, self.spin_s) else 0.0
 
     def shutdown(self) -> None:

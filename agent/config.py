@@ -15,6 +15,9 @@ halfway through start-up. Example::
       exclude: ["9c1d..."]               # node ids that must never coordinate
       min_coordinator_memory_gb: 2.0
     log_level: info     # what the log file keeps (debug, info, warning, error)
+    throttle:           # when this laptop yields to its user (see agent/throttle/settings.py)
+      idle_minutes: 2
+      temp_high_c: 90
     models_dir: /data/lakeshard-models   # where models are stored (default: the cache folder)
     serve:                               # what the elected coordinator serves (none: no model)
       model: smollm2-135m                # a store name, or a path to a GGUF / HF directory
@@ -33,6 +36,8 @@ from typing import Any
 import yaml
 
 from agent.paths import config_dir
+from agent.throttle.policy import ThrottleSettings
+from agent.throttle.settings import ThrottleSettingsError, parse_throttle
 
 CLUSTER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
@@ -56,6 +61,7 @@ class Settings:
     name: str | None = None  # what node maps call this laptop (default: its host name)
     log_level: str = "debug"  # what the log file keeps: debug, info, warning or error
     models_dir: str | None = None  # where models are stored (default: the cache folder)
+    throttle: ThrottleSettings = field(default_factory=ThrottleSettings)  # when to yield to the user
     serve_model: str | None = None
     serve_weights: str | None = None  # None: the model's default
     serve_api_port: int = 8000
@@ -125,6 +131,7 @@ KNOWN = {
     "log_level",
     "models_dir",
     "name",
+    "throttle",
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
 WEIGHTS = ("fp32", "fp16", "int8", "int4")
@@ -158,6 +165,10 @@ def parse(d: Any) -> Settings:
     iface = d.get("interface")
     if iface is not None and not isinstance(iface, str):
         raise ConfigError("interface: must be an IP address")
+    try:
+        throttle = parse_throttle(d.get("throttle"))
+    except ThrottleSettingsError as e:
+        raise ConfigError(str(e)) from None
     name = d.get("name")
     if name is not None:
         name = check_name(name)
@@ -178,6 +189,7 @@ def parse(d: Any) -> Settings:
         min_coordinator_memory=int(mem * 1024**3),
         interface=iface,
         name=name,
+        throttle=throttle,
         log_level=level,
         models_dir=mdir,
         serve_model=model,

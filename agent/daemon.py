@@ -43,9 +43,10 @@ from agent.identity import TermStore, node_id
 from agent.local_api import make_local_app
 from agent.paths import log_dir
 from agent.protocol.events import NodeInfo
-from agent.sensors import temperature_c
 from agent.server import make_app
 from agent.stage_host import StageHost
+from agent.throttle.controller import Contribution
+from agent.throttle.thermal import temperature_c
 
 log = logging.getLogger(__name__)
 # settings a running agent takes at once, and those it takes at its next start
@@ -73,6 +74,7 @@ class DaemonOptions:
     spin_ms: float = 50.0
     head_help: str = "auto"  # "auto", "on" or "off"
     standalone: bool = False
+    throttle: bool = True  # follow the throttle policy (settings: throttle.enabled); off for local clusters
     timing: Timing = field(default_factory=Timing)
 
 
@@ -104,7 +106,10 @@ class AgentDaemon:
         self._tasks: list[asyncio.Task[None]] = []
         self.services: Any = None  # coordinator.role.CoordinatorRole while this node coordinates
         self.session: aiohttp.ClientSession | None = None  # forwarding to the coordinator
-        self.paused_until: float | None = None  # wall clock: a pause "for an hour" ends then
+        # the user's switch and the throttle policy: this node's state, applied to its stage
+        self.contrib = Contribution(
+            self.me, self.host, lambda: self.settings.throttle, enabled=opts.throttle and settings.throttle.enabled
+        )
         self._tokens_seen = (time.monotonic(), 0)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -143,6 +148,8 @@ class AgentDaemon:
                 self._advertised = self.advert()
         self._tasks.append(asyncio.create_task(self._probe()))
         self._tasks.append(asyncio.create_task(self._refresh()))
+        if self.contrib.enabled:
+            self._tasks.append(asyncio.create_task(self.contrib.run()))
         if self.elector is not None:
             self._tasks.append(asyncio.create_task(self._coordinate()))
 
@@ -187,9 +194,7 @@ class AgentDaemon:
         while True:
             await asyncio.sleep(1.0)
             self._measure()
-            if self.paused_until is not None and time.time() >= self.paused_until:
-                log.info("the pause asked for has ended: available again")
-                self.set_state("available")
+            self.contrib.expire()
             if self.discovery is None:
                 continue
             ad, old = self.advert(), self._advertised
@@ -206,13 +211,9 @@ class AgentDaemon:
         self.me.temp_c = temperature_c()
         self.me.next_rtt_ms = None if self.host.next_rtt_ms is None else round(self.host.next_rtt_ms, 3)
 
-    def set_state(self, state: str, reason: str | None = None, for_s: float | None = None) -> None:
-        """Pause, limit or resume contributing (``for_s``: resume by itself after that long)."""
-        if (state, reason) != (self.me.state, self.me.reason):
-            log.info("state %s -> %s%s", self.me.state, state, f" ({reason})" if reason else "")
-        self.me.state = state
-        self.me.reason = None if state == "available" else reason
-        self.paused_until = time.time() + for_s if for_s and state != "available" else None
+    def set_state(self, state: str, for_s: float | None = None) -> None:
+        """The user's switch: pause, limit or resume contributing (``for_s``: it resets after that)."""
+        self.contrib.set_manual(state, for_s)
 
     def apply_settings(self, new: Settings, before: Settings | None = None) -> list[str]:
         """Take new settings from the settings file (``before``: what it said until now).
@@ -374,7 +375,7 @@ class AgentDaemon:
 
     def advert(self) -> Advert:
         m = self.me
-        return Advert(m.node, m.cluster, m.version, m.devices, m.mem_free(), m.score, m.state, m.port)
+        return Advert(m.node, m.cluster, m.version, m.devices, m.mem_free(), m.score, m.state, m.port, reason=m.reason)
 
     def _on_advert(self, ad: Advert) -> None:
         if self.elector is not None:
@@ -393,7 +394,8 @@ class AgentDaemon:
             "version": __version__,
             "state": self.me.state,
             "reason": self.me.reason,
-            "paused_until": self.paused_until,
+            "paused_until": self.contrib.manual_until,
+            "throttle": self.contrib.status(),
             "tok_s": self.me.tok_s,
             "temp_c": self.me.temp_c,
             "role": str(e.role) if e else "standalone",
@@ -430,7 +432,7 @@ class AgentDaemon:
 
 
 def _differs(a: Advert, b: Advert) -> bool:
-    if (a.state, a.devices, round(a.score, 1)) != (b.state, b.devices, round(b.score, 1)):
+    if (a.state, a.reason, a.devices, round(a.score, 1)) != (b.state, b.reason, b.devices, round(b.score, 1)):
         return True
     return abs(a.mem_free - b.mem_free) > max(256 * MIB, a.mem_free // 10)
 

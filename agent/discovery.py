@@ -46,9 +46,12 @@ class Advert:
     state: str
     port: int
     addresses: tuple[str, ...] = ()
+    reason: str | None = None  # why it is limited or paused
 
     def txt(self) -> dict[str, str]:
+        extra = {"why": self.reason[:64]} if self.reason else {}
         return {
+            **extra,
             "id": self.node,
             "cl": self.cluster,
             "v": self.version,
@@ -108,6 +111,7 @@ def parse_txt(props: dict[bytes, bytes | None], addresses: tuple[str, ...] = ())
         state=state,
         port=int(port),
         addresses=addresses,
+        reason=_text(props, "why", 64) if props.get(b"why") else None,
     )
 
 

@@ -84,7 +84,7 @@ async def _set_state(request: web.Request) -> web.Response:
         or not 0 < for_s <= MAX_PAUSE_S
     ):
         return _bad(f"for_s must be a number of seconds in (0, {MAX_PAUSE_S}]")
-    d.set_state(state, "user" if state != "available" else None, for_s)
+    d.set_state(state, for_s)
     return web.json_response(d.node_status())
 
 

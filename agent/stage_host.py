@@ -93,6 +93,8 @@ class StageHost:
         self.frames = 0
         self.positions = 0  # positions computed (prompt and generated tokens)
         self.next_rtt_ms: float | None = None  # round trip to the next agent of the ring (smoothed)
+        self.paused: str | None = None  # why this node computes nothing now (its user, heat ...)
+        self.last_step_at: float | None = None  # wall clock of its last computed step
         self.errors = 0
         self.compute_s = 0.0  # time spent in inference (on the compute thread)
         self.recent_ms: collections.deque[float] = collections.deque(maxlen=256)
@@ -224,6 +226,8 @@ class StageHost:
     def process(self, fwd: Fwd, payload: memoryview) -> Output | HeadWait:
         """Run one Fwd frame (on the compute thread). Raises ProtocolError for bad input.
         A :class:`HeadWait` means the vocabulary head is still to be computed (in two parts)."""
+        if self.paused is not None:  # its streams move to the other nodes (the coordinator replays them)
+            raise ProtocolError("paused", f"this node is paused ({self.paused})", fwd.stream, fwd.seq)
         stage, a = self.stage, self.assignment
         assert stage is not None and a is not None
         try:
@@ -264,6 +268,7 @@ class StageHost:
             raise
         self.frames += 1
         self.positions += fwd.n
+        self.last_step_at = time.time()
         busy_ms = max(fwd.busy_ms, dt * 1000)  # the ring's bottleneck so far
         if not stage.last:
             assert out.hidden is not None
@@ -342,6 +347,8 @@ class StageHost:
         """Stage 0's rows of the vocabulary head for a last stage's step (on the compute thread)."""
         stage = self.stage
         assert stage is not None
+        if self.paused is not None:
+            raise ProtocolError("paused", f"this node is paused ({self.paused})", msg.stream, msg.seq)
         if stage.head_rows is None or not stage.first:
             raise ProtocolError("no_head_part", "this stage holds no part of the vocabulary head", msg.stream, msg.seq)
         hidden = tensor(msg, payload, stage.hidden_size)
@@ -401,6 +408,9 @@ class StageHost:
             "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
             "fetching": self.fetching,
             "next_rtt_ms": None if self.next_rtt_ms is None else round(self.next_rtt_ms, 3),
+            "paused": self.paused,
+            "last_step_at": self.last_step_at,
+            "threads": self.threads,
         }
 
     def shutdown(self) -> None:

@@ -38,6 +38,9 @@ class LocalCluster:
         elect: Sequence[str] | None = None,
         agent_args: Sequence[str] = (),
         names: Sequence[str] | None = None,
+        throttle: bool = False,
+        agent_envs: Sequence[dict[str, str]] | None = None,
+        config: str | None = None,
     ) -> None:
         """``elect``: run full agents (election, no multicast, loopback peers) with these extra
         arguments, instead of standalone stage servers driven by a ``serve`` coordinator.
@@ -56,6 +59,10 @@ class LocalCluster:
         self.elect = elect
         self.agent_args = list(agent_args)
         self.names = list(names) if names is not None else None  # what node maps call each agent
+        # agents on one machine would each count the others as their user's programs: off by default
+        self.throttle = throttle
+        self.agent_envs = list(agent_envs) if agent_envs is not None else None  # per agent, over ``env``
+        self.config = config  # config.yaml text for every elected agent's own home
         self._homes: tempfile.TemporaryDirectory[str] | None = None
 
     @property
@@ -79,6 +86,8 @@ class LocalCluster:
                 cmd += ["--threads", str(threads)]
             if self.device:
                 cmd += ["--device", self.device]
+            if not self.throttle:
+                cmd += ["--throttle", "off"]
             cmd += self.agent_args
             if self.names is not None:
                 cmd += ["--name", self.names[i]]
@@ -92,6 +101,12 @@ class LocalCluster:
                     self._homes = tempfile.TemporaryDirectory(prefix="lakeshard-agents-")
                 env["LAKESHARD_SHARED_CACHE"] = env.get("LAKESHARD_SHARED_CACHE") or str(paths.cache_dir())
                 env["LAKESHARD_HOME"] = str(Path(self._homes.name) / f"agent{i}")
+                if self.config is not None:
+                    cfg = Path(env["LAKESHARD_HOME"]) / "config" / "config.yaml"
+                    cfg.parent.mkdir(parents=True, exist_ok=True)
+                    cfg.write_text(self.config, encoding="utf-8")
+            if self.agent_envs is not None:
+                env.update(self.agent_envs[i])
             self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env))
             self.ports.append(port)
         deadline = time.monotonic() + timeout

@@ -102,6 +102,7 @@ class Pipeline:
         self._watchers: list[asyncio.Task[None]] = []
         self._replies: list[asyncio.Future[bytes] | None] = []  # per stage: its assignment's reply, awaited
         self.lost: str | None = None  # the first agent found gone: the pipeline is broken
+        self.paused: set[str] = set()  # agents that refused steps because they are paused
         self._closing = False
 
     # -- set-up ------------------------------------------------------------------------------
@@ -345,6 +346,11 @@ class Pipeline:
             if q is not None:
                 self.busy_s[msg.stream] = msg.busy_ms / 1000.0
                 q.put_nowait(msg.tokens)
+        elif isinstance(msg, Error) and msg.code == "paused" and msg.stage is not None:
+            # its laptop's user (or heat, or the battery) needs it: every stream moves elsewhere
+            node = self.placements[msg.stage].node if 0 <= msg.stage < len(self.placements) else "?"
+            self.paused.add(node)
+            self.mark_lost(node, f"the agent at {node} paused: {msg.message}")
         elif isinstance(msg, Error):
             log.warning("stage %s reported %s: %s (stream %s)", msg.stage, msg.code, msg.message, msg.stream)
             for stream, q in self._queues.items():

@@ -145,9 +145,10 @@ class CoordinatorRole:
             except PlanError as e:
                 log.warning("membership changed but no plan fits: %s", e)
                 continue
-            if (plan.nodes, plan.ranges) == (self.plan.nodes, self.plan.ranges):
-                continue
             self.addresses.update({m.offer.node: m.address for m in members})
+            if self._running() == ([self.addresses[n] for n in plan.nodes], list(plan.ranges)):
+                self.plan = plan  # a failover (a node lost or paused) already moved there
+                continue
             self.coordinator.node_ids.update({a: n for n, a in self.addresses.items()})
             log.info("re-planning: %s", ", ".join(f"{s.node} layers {s.start}..{s.end - 1}" for s in plan.stages))
             self.state = "re-planning"
@@ -155,6 +156,14 @@ class CoordinatorRole:
                 [self.addresses[n] for n in plan.nodes], [s.start for s in plan.stages[1:]]
             )
             self.plan, self.state = plan, "serving"
+
+    def _running(self) -> tuple[list[str], list[tuple[int, int]]]:
+        """The agents (addresses) and layer ranges the coordinator runs now."""
+        c = self.coordinator
+        if c is None or c.export is None:
+            return [], []
+        ranges = [(m["stage"]["layer_start"], m["stage"]["layer_end"]) for m in c.export.manifests]
+        return list(c.nodes), ranges
 
     def _home(self, members: list[Member]) -> str | None:
         """This machine's node id, when its agent is among the members."""

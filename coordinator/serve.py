@@ -94,6 +94,25 @@ def plan_ranges(
     return balanced_split(model_costs(model.config(), head_layers), n_stages)
 
 
+async def _usable(node: str, paused: set[str], timeout: float = 1.0) -> bool:
+    """Whether the agent at ``node`` can take a stage now: it answers, and is not paused."""
+    if node in paused and not await _not_paused(node, timeout):
+        return False
+    return await _reachable(node, timeout)
+
+
+async def _not_paused(node: str, timeout: float) -> bool:
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s,
+            s.get(f"http://{node}/v1/node") as r,
+        ):
+            st = await r.json()
+    except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+        return False
+    return isinstance(st, dict) and st.get("state") != "paused"
+
+
 async def _reachable(node: str, timeout: float = 1.0) -> bool:
     """Whether an agent answers at ``node`` (host:port) right now."""
     host, _, port = node.rpartition(":")
@@ -332,10 +351,11 @@ class Coordinator:
             if self.pipeline is not failed:
                 return  # already replaced
             t0 = time.monotonic()
-            live = [n for n in self.nodes if await _reachable(n)]
+            live = [n for n in self.nodes if await _usable(n, failed.paused)]
             log.warning("re-planning over %d of %d agents after losing %s", len(live), len(self.nodes), failed.lost)
             if not live:
-                raise PipelineError("no agent is reachable any more", "cluster_lost")
+                why = "every agent is paused or gone" if failed.paused else "no agent is reachable any more"
+                raise PipelineError(why, "cluster_lost")
             if len(live) > self.cfg.model.num_layers:
                 live = live[: self.cfg.model.num_layers]
             self.term += 1

@@ -228,7 +228,7 @@ class TrayApp(QObject):
     async def async_restart_agent(self) -> None:
         if self.agent is None:
             return
-        self.agent.stop()
+        await asyncio.to_thread(self.agent.stop)  # it may take seconds: not on the GUI thread
         self.agent.proc = None
         self._set(None, None)
         ok = await self.agent.async_ensure()

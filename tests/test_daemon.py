@@ -26,7 +26,8 @@ async def _until_coordinator(http: aiohttp.ClientSession, api: str, timeout: flo
 
 async def test_status_api_pause_switch_and_fencing(isolated_home: Path) -> None:
     settings = Settings(cluster_id="solo", port=0, api_port=0, mdns=False)
-    async with running(settings, DaemonOptions(host="127.0.0.1", device="CPU")) as d, aiohttp.ClientSession() as http:
+    opts = DaemonOptions(host="127.0.0.1", device="CPU", throttle=False)
+    async with running(settings, opts) as d, aiohttp.ClientSession() as http:
         api = f"http://127.0.0.1:{d.api_port}"
         cluster = await _until_coordinator(http, api)  # alone, it is a majority of one
         assert cluster["coordinator"] == d.node and int(cluster["term"]) >= 1  # type: ignore[call-overload]

@@ -93,7 +93,8 @@ class AgentLab:
             self.homes[i] = self.home_root / f"node{i}-{time.monotonic_ns()}"
         env = {**os.environ, "LAKESHARD_HOME": str(self.homes[i]), "PYTHONWARNINGS": "ignore", **self.env}
         cmd = [sys.executable, "-m", "agent", "agent", "--cluster", self.cluster, "--port", str(DATA_PORT)]
-        cmd += ["--api-port", str(API_PORT), "--device", "CPU", "--threads", "1", *self.agent_args, *extra]
+        cmd += ["--api-port", str(API_PORT), "--device", "CPU", "--threads", "1", "--throttle", "off"]
+        cmd += [*self.agent_args, *extra]  # (the other "laptops" here are this machine's programs: no throttle)
         log = open(self.log_dir / f"agent{i}.log", "ab")  # noqa: SIM115 (the child owns it)
         self.spawned_at[i] = time.time()
         self.procs[i] = subprocess.Popen(self.lan.nodes[i].cmd(cmd), env=env, stdout=log, stderr=subprocess.STDOUT)

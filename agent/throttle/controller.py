@@ -1,0 +1,162 @@
+"""This node's contribution state, and what it does about it.
+
+Two inputs: the user's own switch (the tray's "Pause contributing", through the status API)
+and the throttle policy over the probes (read every ``poll_s``). The stricter wins. Then:
+
+* PAUSED: the stage refuses every new step (``paused``), so the coordinator moves its streams
+  to the other nodes at once and replays them there; the beats and the mDNS advert say so, so
+  the planner leaves the node out, and a coordinator steps down.
+* LIMITED: the process drops to a lower priority, the compute thread rests in proportion to
+  its work (it computes at most ``limited_share`` of the time) and no longer spins between
+  steps, the next stage it compiles uses that share of the threads, and the planner counts the
+  node at reduced speed.
+* AVAILABLE: all of that is undone (where the OS lets a process raise its priority again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+
+from agent.throttle.policy import AVAILABLE, LIMITED, PAUSED, RANK, Clock, Decision, ThrottleSettings, decide
+from agent.throttle.probes import Probes
+from agent.throttle.readings import Readings
+
+log = logging.getLogger(__name__)
+USER = "user"  # the reason of the user's own pause
+LOW_NICE = 10
+
+
+def clock_now() -> Clock:
+    t = time.localtime()
+    return Clock(t.tm_wday, t.tm_hour * 60 + t.tm_min)
+
+
+class Contribution:
+    def __init__(
+        self,
+        me: Any,  # agent.elector.LocalNode: its state and reason are what beats and adverts carry
+        host: Any,  # agent.stage_host.StageHost
+        settings: Callable[[], ThrottleSettings],
+        enabled: bool = True,
+        poll_s: float = 0.1,
+    ) -> None:
+        self.me, self.host, self.settings = me, host, settings
+        self.enabled = enabled
+        self.poll_s = poll_s
+        self.manual: str | None = None  # the user's switch: paused or limited (None: not set)
+        self.manual_until: float | None = None  # wall clock: the switch resets then
+        self.decision: Decision | None = None
+        self.readings: Readings | None = None
+        self.probes: Probes | None = None
+        self.changes = 0
+        self._spin_s = host.compute.spin_s
+        self._threads = host.threads
+        self._nice: int | None = None  # the priority before we lowered it
+        self._applied: tuple[str, str | None] = (AVAILABLE, None)
+
+    # -- inputs ----------------------------------------------------------------------------------
+    def set_manual(self, state: str, for_s: float | None = None) -> None:
+        """The user's switch: ``available`` clears it; ``for_s`` makes it end by itself."""
+        self.manual = None if state == AVAILABLE else state
+        self.manual_until = time.time() + for_s if for_s and self.manual else None
+        self.apply()
+
+    def expire(self, now: float | None = None) -> None:
+        if self.manual_until is not None and (now or time.time()) >= self.manual_until:
+            log.info("the pause asked for has ended")
+            self.set_manual(AVAILABLE)
+
+    async def run(self) -> None:
+        """Read the probes and follow the policy, until cancelled."""
+        self.probes = await asyncio.to_thread(Probes)
+        while True:
+            try:
+                r = await asyncio.to_thread(self.probes.read)
+                self.observe(r, time.time())
+            except Exception:
+                log.exception("throttle probes failed")
+            self.expire()
+            await asyncio.sleep(self.poll_s)
+
+    def observe(self, r: Readings, now: float, clock: Clock | None = None) -> None:
+        self.readings = r
+        d = decide(self.decision, r, self.settings(), now, clock or clock_now())
+        if self.decision is None or (d.state, d.reason) != (self.decision.state, self.decision.reason):
+            self.decision = d
+            self.apply()
+        else:
+            self.decision = d
+
+    # -- the outcome -----------------------------------------------------------------------------
+    def effective(self) -> tuple[str, str | None]:
+        auto = self.decision if self.enabled else None
+        options: list[tuple[str, str | None]] = [(AVAILABLE, None)]
+        if self.manual is not None:
+            options.append((self.manual, USER))
+        if auto is not None and auto.state != AVAILABLE:
+            options.append((auto.state, auto.reason))
+        return max(options, key=lambda o: RANK[o[0]])  # the stricter; the user's on a tie
+
+    def apply(self) -> None:
+        state, reason = self.effective()
+        if (state, reason) == self._applied:
+            return
+        log.info("contribution %s -> %s%s", self._applied[0], state, f" ({reason})" if reason else "")
+        self._applied = (state, reason)
+        self.changes += 1
+        self.me.state, self.me.reason = state, reason
+        self.host.paused = (reason or "paused") if state == PAUSED else None
+        share = self.settings().limited_share
+        if state == LIMITED:
+            self.host.compute.duty, self.host.compute.spin_s = share, 0.0
+            if self._threads or psutil.cpu_count():
+                base = self._threads or psutil.cpu_count() or 1
+                self.host.threads = max(1, int(base * share))  # the next stage it compiles
+            self._lower_priority()
+        else:
+            self.host.compute.duty, self.host.compute.spin_s = 1.0, self._spin_s
+            self.host.threads = self._threads
+            if state == AVAILABLE:
+                self._restore_priority()
+
+    def _lower_priority(self) -> None:
+        if self._nice is not None:
+            return
+        try:
+            p = psutil.Process()
+            self._nice = p.nice()
+            if sys.platform == "win32":
+                p.nice(psutil.BELOW_NORMAL_PRIORITY_CLASS)  # type: ignore[attr-defined,unused-ignore]
+            else:
+                p.nice(max(self._nice, LOW_NICE))
+        except (psutil.Error, OSError) as e:
+            log.info("cannot lower this process's priority: %s", e)
+
+    def _restore_priority(self) -> None:
+        if self._nice is None:
+            return
+        try:
+            psutil.Process().nice(self._nice)
+            self._nice = None
+        except (psutil.Error, OSError) as e:  # POSIX: raising it again needs privileges
+            log.info("priority stays lowered (%s)", e)
+            self._nice = None
+
+    def status(self) -> dict[str, Any]:
+        d = self.decision
+        return {
+            "enabled": self.enabled,
+            "policy": None if d is None else {"state": d.state, "reason": d.reason, "since": d.since},
+            "manual": self.manual,
+            "manual_until": self.manual_until,
+            "readings": None if self.readings is None else self.readings.brief(),
+            "sources": self.probes.sources() if self.probes is not None else {},
+            "changes": self.changes,
+        }

@@ -1,0 +1,118 @@
+"""The ``throttle`` section of ``config.yaml``, checked key by key::
+
+throttle:
+  idle_minutes: 2          # no input for this long before contributing fully again
+  while_in_use: pause      # what the user's input does: pause, limit or run
+  temp_high_c: 90          # at or above: paused ...
+  temp_low_c: 80           # ... until at or below this
+  on_battery: pause        # pause, limit or run
+  battery_floor_pct: 30    # below this charge: paused whatever on_battery says
+  cpu_high_pct: 60         # other programs using this much of all cores: limited (off: never) ...
+  cpu_low_pct: 30          # ... until at or below this
+  hours: "08:00-19:00"     # contribute only in these hours (may wrap midnight) ...
+  days: [mon, tue, wed, thu, fri]   # ... on these days
+  limited_share: 0.5       # what a limited node offers of its speed (threads at its next stage)
+  min_dwell_s: 10          # a state lasts this long at least before a less restrictive one
+  enabled: true
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from agent.throttle.policy import ALL_DAYS, MODES, ThrottleSettings
+
+DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
+HOURS_RE = re.compile(r"^([01]?\d|2[0-4]):([0-5]\d)\s*-\s*([01]?\d|2[0-4]):([0-5]\d)$")
+KNOWN = {
+    "enabled",
+    "idle_minutes",
+    "while_in_use",
+    "temp_high_c",
+    "temp_low_c",
+    "on_battery",
+    "battery_floor_pct",
+    "cpu_high_pct",
+    "cpu_low_pct",
+    "hours",
+    "days",
+    "limited_share",
+    "min_dwell_s",
+}
+
+
+class ThrottleSettingsError(ValueError):
+    """A bad value under ``throttle``; the message names the key."""
+
+
+def _num(d: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+    v = d.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
+        raise ThrottleSettingsError(f"throttle.{key}: {v!r} must be a number from {lo:g} to {hi:g}")
+    return float(v)
+
+
+def _mode(d: dict[str, Any], key: str, default: str) -> str:
+    v = d.get(key, default)
+    if v not in MODES:
+        raise ThrottleSettingsError(f"throttle.{key}: {v!r} must be one of {', '.join(MODES)}")
+    return str(v)
+
+
+def parse_hours(v: Any) -> tuple[int, int] | None:
+    """ "08:00-19:00" -> minutes (480, 1140); "22:00-06:00" wraps midnight."""
+    if v is None:
+        return None
+    m = HOURS_RE.match(v.strip()) if isinstance(v, str) else None
+    if m is None:
+        raise ThrottleSettingsError(f"throttle.hours: {v!r} must look like 08:00-19:00")
+    a = int(m.group(1)) * 60 + int(m.group(2))
+    b = int(m.group(3)) * 60 + int(m.group(4))
+    if a > 1440 or b > 1440 or a == b:
+        raise ThrottleSettingsError(f"throttle.hours: {v!r} is not a span of the day")
+    return a, b
+
+
+def parse_days(v: Any) -> frozenset[int]:
+    if v is None:
+        return ALL_DAYS
+    if not isinstance(v, list) or not v or not all(isinstance(x, str) and x.lower()[:3] in DAYS for x in v):
+        raise ThrottleSettingsError(f"throttle.days: {v!r} must be a list of days like [mon, tue]")
+    return frozenset(DAYS.index(x.lower()[:3]) for x in v)
+
+
+def parse_throttle(d: Any) -> ThrottleSettings:
+    if d is None:
+        return ThrottleSettings()
+    if not isinstance(d, dict):
+        raise ThrottleSettingsError("throttle: must be a mapping")
+    unknown = set(d) - KNOWN
+    if unknown:
+        raise ThrottleSettingsError(f"throttle: unknown setting(s): {', '.join(sorted(map(str, unknown)))}")
+    enabled = d.get("enabled", True)
+    if not isinstance(enabled, bool):
+        raise ThrottleSettingsError("throttle.enabled: must be true or false")
+    high, low = _num(d, "temp_high_c", 90, 30, 130), _num(d, "temp_low_c", 80, 20, 130)
+    if low >= high:
+        raise ThrottleSettingsError(f"throttle.temp_low_c: {low:g} must be below temp_high_c ({high:g})")
+    load_rule = d.get("cpu_high_pct") not in ("off", False)
+    cpu_high = _num(d, "cpu_high_pct", 60, 1, 100) if load_rule else None
+    cpu_low = _num(d, "cpu_low_pct", 30, 0, 100)
+    if cpu_high is not None and cpu_low >= cpu_high:
+        raise ThrottleSettingsError(f"throttle.cpu_low_pct: {cpu_low:g} must be below cpu_high_pct ({cpu_high:g})")
+    return ThrottleSettings(
+        enabled=enabled,
+        idle_minutes=_num(d, "idle_minutes", 2, 0, 24 * 60),
+        while_in_use=_mode(d, "while_in_use", "pause"),
+        temp_high_c=high,
+        temp_low_c=low,
+        on_battery=_mode(d, "on_battery", "pause"),
+        battery_floor_pct=_num(d, "battery_floor_pct", 30, 0, 100),
+        cpu_high=None if cpu_high is None else cpu_high / 100,
+        cpu_low=cpu_low / 100,
+        hours=parse_hours(d.get("hours")),
+        days=parse_days(d.get("days")),
+        limited_share=_num(d, "limited_share", 0.5, 0.05, 1.0),
+        min_dwell_s=_num(d, "min_dwell_s", 10, 0, 3600),
+    )

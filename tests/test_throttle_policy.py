@@ -1,0 +1,206 @@
+"""When a laptop contributes: the throttle policy over recorded traces, its settings, and the
+probes (pure parsers, and the real ones on this machine)."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import namedtuple
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from agent.config import ConfigError, parse
+from agent.throttle.idle import IdleProbe, parse_ioreg, parse_mutter, windows_idle_ms
+from agent.throttle.policy import AVAILABLE, LIMITED, PAUSED, Clock, Decision, ThrottleSettings, decide
+from agent.throttle.power import lid_closed
+from agent.throttle.probes import Probes, fake_readings
+from agent.throttle.readings import Readings
+from agent.throttle.thermal import hottest
+
+S = ThrottleSettings(min_dwell_s=0.0)
+IDLE = Readings(idle_s=3600.0, temp_c=50.0, on_battery=False, battery_pct=90.0, foreground_cpu=0.05)
+
+
+def _d(
+    state: str, reason: str | None = None, since: float = 0.0, cause: str = "", latches: tuple[str, ...] = ()
+) -> Decision:
+    return Decision(state, reason, since, cause, frozenset(latches))
+
+
+@pytest.mark.parametrize(
+    ("prev", "r", "s", "state", "reason"),
+    [
+        (None, IDLE, S, AVAILABLE, None),
+        (None, Readings(), S, AVAILABLE, None),  # a machine that can say nothing contributes
+        (None, replace(IDLE, idle_s=4.0), S, PAUSED, "user active"),
+        (None, replace(IDLE, idle_s=119.0), S, PAUSED, "user active"),
+        (None, replace(IDLE, idle_s=121.0), S, AVAILABLE, None),
+        (None, replace(IDLE, idle_s=4.0, locked=True), S, AVAILABLE, None),  # locked: its user is away
+        (None, replace(IDLE, idle_s=4.0), replace(S, while_in_use="limit"), LIMITED, "user active"),
+        (None, replace(IDLE, idle_s=4.0), replace(S, while_in_use="run"), AVAILABLE, None),
+        (None, replace(IDLE, temp_c=92.4), S, PAUSED, "92 C"),
+        (None, replace(IDLE, temp_c=85.0), S, AVAILABLE, None),  # between the marks, not yet hot
+        (_d(PAUSED, "92 C", cause="heat", latches=("heat",)), replace(IDLE, temp_c=85.0), S, PAUSED, "92 C"),
+        (_d(PAUSED, "92 C", cause="heat", latches=("heat",)), replace(IDLE, temp_c=79.0), S, AVAILABLE, None),
+        (None, replace(IDLE, on_battery=True), S, PAUSED, "on battery"),
+        (None, replace(IDLE, on_battery=True), replace(S, on_battery="limit"), LIMITED, "on battery"),
+        (None, replace(IDLE, on_battery=True), replace(S, on_battery="run"), AVAILABLE, None),
+        (None, replace(IDLE, on_battery=True, battery_pct=18), replace(S, on_battery="run"), PAUSED, "battery at 18%"),
+        (None, replace(IDLE, foreground_cpu=0.75), S, LIMITED, "other programs use 75% CPU"),
+        (_d(LIMITED, "x", cause="load", latches=("load",)), replace(IDLE, foreground_cpu=0.4), S, LIMITED, "x"),
+        (_d(LIMITED, "x", cause="load", latches=("load",)), replace(IDLE, foreground_cpu=0.2), S, AVAILABLE, None),
+        (None, replace(IDLE, lid_closed=True), S, PAUSED, "lid closed"),
+        # the most important cause names it; the strictest state wins
+        (None, replace(IDLE, idle_s=3.0, temp_c=95.0, foreground_cpu=0.9), S, PAUSED, "95 C"),
+        (
+            None,
+            replace(IDLE, foreground_cpu=0.9, on_battery=True),
+            replace(S, on_battery="limit"),
+            LIMITED,
+            "on battery",
+        ),
+        (None, replace(IDLE, idle_s=3.0, temp_c=95.0), replace(S, enabled=False), AVAILABLE, None),
+    ],
+)
+def test_the_policy(prev: Decision | None, r: Readings, s: ThrottleSettings, state: str, reason: str | None) -> None:
+    d = decide(prev, r, s, now=100.0)
+    assert (d.state, d.reason) == (state, reason)
+
+
+@pytest.mark.parametrize(
+    ("hours", "days", "clock", "contributes"),
+    [
+        ((480, 1140), frozenset(range(7)), Clock(0, 600), True),
+        ((480, 1140), frozenset(range(7)), Clock(0, 1140), False),
+        ((1320, 360), frozenset(range(7)), Clock(2, 1400), True),  # 22:00-06:00 wraps midnight
+        ((1320, 360), frozenset(range(7)), Clock(2, 300), True),
+        ((1320, 360), frozenset(range(7)), Clock(2, 720), False),
+        (None, frozenset(range(5)), Clock(5, 720), False),  # Saturday, weekdays only
+        (None, frozenset(range(5)), Clock(4, 720), True),
+    ],
+)
+def test_contribution_hours(
+    hours: tuple[int, int] | None, days: frozenset[int], clock: Clock, contributes: bool
+) -> None:
+    d = decide(None, IDLE, replace(S, hours=hours, days=days), 0.0, clock)
+    assert (d.state == AVAILABLE) is contributes
+    if not contributes:
+        assert d.reason == "outside the hours set for contributing"
+
+
+def _run(trace: list[tuple[float, Readings]], s: ThrottleSettings) -> list[tuple[float, str, str | None]]:
+    """The changes of state over a recorded trace of readings."""
+    prev: Decision | None = None
+    changes = []
+    for t, r in trace:
+        d = decide(prev, r, s, t)
+        if prev is None or (d.state, d.reason) != (prev.state, prev.reason):
+            changes.append((t, d.state, d.reason))
+        prev = d
+    return changes
+
+
+def test_a_noisy_temperature_trace_does_not_flap() -> None:
+    rng = random.Random(7)
+    trace = []
+    for i in range(600):  # ten minutes at 1 Hz: warming through the high mark, then cooling
+        base = 70 + 25 * min(i, 300) / 300 - 25 * max(0, i - 360) / 240
+        trace.append((float(i), replace(IDLE, temp_c=base + rng.uniform(-3, 3))))
+    changes = _run(trace, ThrottleSettings())
+    assert [c[1] for c in changes] == [AVAILABLE, PAUSED, AVAILABLE]
+    t_hot, t_cool = changes[1][0], changes[2][0]
+    assert trace[int(t_hot)][1].temp_c >= 90 and trace[int(t_cool)][1].temp_c <= 80  # type: ignore[operator]
+
+
+def test_typing_pauses_at_once_and_idling_for_the_set_time_resumes() -> None:
+    s = ThrottleSettings(idle_minutes=0.5, min_dwell_s=5.0)
+    trace, last_input = [], -1000.0
+    for k in range(0, 1000):  # 100 s at 10 Hz: typing at 20 s and at 25 s
+        t = k / 10
+        if t in (20.0, 25.0):
+            last_input = t
+        trace.append((t, replace(IDLE, idle_s=t - last_input)))
+    changes = _run(trace, s)
+    assert changes == [(0.0, AVAILABLE, None), (20.0, PAUSED, "user active"), (55.0, AVAILABLE, None)]
+
+
+def test_a_state_is_kept_for_its_dwell_time_before_relaxing() -> None:
+    s = ThrottleSettings(min_dwell_s=10.0)
+    plug = [(float(t), replace(IDLE, on_battery=t in (5, 7))) for t in range(30)]  # unplugged twice, briefly
+    changes = _run(plug, s)
+    assert changes == [(0.0, AVAILABLE, None), (5.0, PAUSED, "on battery"), (15.0, AVAILABLE, None)]
+
+
+@pytest.mark.parametrize(
+    ("throttle", "message"),
+    [
+        ({"idle_minutes": -1}, "throttle.idle_minutes: -1 must be a number from 0 to 1440"),
+        ({"temp_high_c": "hot"}, "throttle.temp_high_c: 'hot' must be a number from 30 to 130"),
+        ({"temp_low_c": 95}, "throttle.temp_low_c: 95 must be below temp_high_c (90)"),
+        ({"cpu_low_pct": 70}, "throttle.cpu_low_pct: 70 must be below cpu_high_pct (60)"),
+        ({"on_battery": "maybe"}, "throttle.on_battery: 'maybe' must be one of pause, limit, run"),
+        ({"while_in_use": True}, "throttle.while_in_use: True must be one of pause, limit, run"),
+        ({"hours": "9 to 5"}, "throttle.hours: '9 to 5' must look like 08:00-19:00"),
+        ({"hours": "10:00-10:00"}, "throttle.hours: '10:00-10:00' is not a span of the day"),
+        ({"days": ["monday", "funday"]}, "throttle.days: ['monday', 'funday'] must be a list of days like [mon, tue]"),
+        ({"limited_share": 0}, "throttle.limited_share: 0 must be a number from 0.05 to 1"),
+        ({"enabled": "yes"}, "throttle.enabled: must be true or false"),
+        ({"idle": 5}, "throttle: unknown setting(s): idle"),
+    ],
+)
+def test_a_bad_throttle_setting_is_one_line_naming_the_key(throttle: object, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse({"throttle": throttle})
+    assert str(e.value) == message
+
+
+def test_good_throttle_settings() -> None:
+    t = parse({"throttle": {"hours": "22:00-06:00", "days": ["Mon", "fri"], "cpu_high_pct": 80, "on_battery": "run"}})
+    assert t.throttle.hours == (1320, 360) and t.throttle.days == frozenset({0, 4})
+    assert t.throttle.cpu_high == 0.8 and t.throttle.on_battery == "run"
+    assert parse({}).throttle == ThrottleSettings()
+    off = parse({"throttle": {"cpu_high_pct": "off"}}).throttle
+    assert off.cpu_high is None
+    assert decide(None, replace(IDLE, foreground_cpu=1.0), replace(off, min_dwell_s=0), 0.0).state == AVAILABLE
+
+
+def test_probe_parsers() -> None:
+    assert windows_idle_ms(5_000, 1_000) == 4_000
+    assert windows_idle_ms(1_000, 2**32 - 3_000) == 4_000  # GetTickCount wrapped after 49.7 days
+    assert parse_mutter("(uint64 12345,)\n") == 12.345
+    assert parse_mutter("Error: no such object") is None
+    assert parse_ioreg('    |   "HIDIdleTime" = 2500000000\n') == 2.5
+    T = namedtuple("T", "label current high critical")
+    zones = {"acpitz": [T("", 41.0, None, None)], "coretemp": [T("Core 0", 63.0, 90, 100), T("Core 1", 71.0, 90, 100)]}
+    assert hottest(zones) == 71.0  # the processor's zone first
+    assert hottest({"nvme": [T("", 45.0, None, None)]}) == 45.0
+    assert hottest({}) is None
+
+
+def test_lid_and_fake_readings(tmp_path: Path) -> None:
+    lid = tmp_path / "lid"
+    assert lid_closed(lid) is None
+    (lid / "LID0").mkdir(parents=True)
+    (lid / "LID0" / "state").write_text("state:      open\n")
+    assert lid_closed(lid) is False
+    (lid / "LID0" / "state").write_text("state:      closed\n")
+    assert lid_closed(lid) is True
+    fake = tmp_path / "sensors.json"
+    fake.write_text(json.dumps({"temp_c": 95, "on_battery": True, "idle_s": "soon", "bogus": 1}))
+    assert fake_readings(fake) == {"temp_c": 95.0, "on_battery": True}
+    fake.write_text("{broken")
+    assert fake_readings(fake) == {}
+
+
+def test_the_probes_on_this_machine_read_or_say_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LAKESHARD_FAKE_SENSORS", raising=False)
+    p = Probes(slow_s=0.0)
+    for _ in range(3):
+        r = p.read()
+        for name, v in r.brief().items():
+            assert v is None or isinstance(v, int | float | bool), name
+        assert r.foreground_cpu is None or 0.0 <= r.foreground_cpu <= 1.0
+    monkeypatch.delenv("DISPLAY", raising=False)
+    assert IdleProbe().read() is None or IdleProbe().read() >= 0  # type: ignore[operator]
