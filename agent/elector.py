@@ -485,6 +485,8 @@ class Elector:
             "coordinator": leader,
             "coordinator_since": self.leader_since if leader else None,
             "eligible": self.standing().eligible,
+            "state": self.me.state,
+            "reason": self.me.reason,
             "not_eligible_because": can_stand(self.me.node, self.me.state, self.me.mem_free(), self.settings),
             "peers": peers,
             "history": list(self.history),

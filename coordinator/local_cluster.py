@@ -40,7 +40,7 @@ class LocalCluster:
         names: Sequence[str] | None = None,
         throttle: bool = False,
         agent_envs: Sequence[dict[str, str]] | None = None,
-        config: str | None = None,
+        config: str | Sequence[str] | None = None,
     ) -> None:
         """``elect``: run full agents (election, no multicast, loopback peers) with these extra
         arguments, instead of standalone stage servers driven by a ``serve`` coordinator.
@@ -62,7 +62,8 @@ class LocalCluster:
         # agents on one machine would each count the others as their user's programs: off by default
         self.throttle = throttle
         self.agent_envs = list(agent_envs) if agent_envs is not None else None  # per agent, over ``env``
-        self.config = config  # config.yaml text for every elected agent's own home
+        # config.yaml text for every elected agent's own home (one text for all, or one each)
+        self.configs = [config] * n if config is None or isinstance(config, str) else list(config)
         self._homes: tempfile.TemporaryDirectory[str] | None = None
 
     @property
@@ -101,10 +102,10 @@ class LocalCluster:
                     self._homes = tempfile.TemporaryDirectory(prefix="lakeshard-agents-")
                 env["LAKESHARD_SHARED_CACHE"] = env.get("LAKESHARD_SHARED_CACHE") or str(paths.cache_dir())
                 env["LAKESHARD_HOME"] = str(Path(self._homes.name) / f"agent{i}")
-                if self.config is not None:
+                if self.configs[i] is not None:
                     cfg = Path(env["LAKESHARD_HOME"]) / "config" / "config.yaml"
                     cfg.parent.mkdir(parents=True, exist_ok=True)
-                    cfg.write_text(self.config, encoding="utf-8")
+                    cfg.write_text(str(self.configs[i]), encoding="utf-8")
             if self.agent_envs is not None:
                 env.update(self.agent_envs[i])
             self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env))

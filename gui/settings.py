@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (
     QComboBox,
     QDialog,
     QDialogButtonBox,
+    QDoubleSpinBox,
     QFormLayout,
     QLabel,
     QLineEdit,
@@ -34,6 +35,7 @@ from gui import autostart
 from gui.client import ApiError, Client, Unreachable
 
 WEIGHTS = ("", "fp32", "fp16", "int8", "int4")
+MODES = ("pause", "limit", "run")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -58,6 +60,10 @@ def save_tray_settings(d: dict[str, Any]) -> None:
     tray_settings_file().write_text(json.dumps(d, indent=2), encoding="utf-8")
 
 
+def _unless(v: Any, default: Any) -> Any:
+    return None if v == default else v
+
+
 def merge(raw: dict[str, Any], form: dict[str, Any]) -> dict[str, Any]:
     """The settings mapping with the form's values in place (pure; empty values remove keys)."""
     out: dict[str, Any] = json.loads(json.dumps(raw))  # a deep copy
@@ -74,7 +80,7 @@ def merge(raw: dict[str, Any], form: dict[str, Any]) -> dict[str, Any]:
 
     for k, v in form.items():
         put(k, v)
-    for section in ("discovery", "election", "serve"):
+    for section in ("discovery", "election", "serve", "throttle"):
         if out.get(section) == {}:
             out.pop(section)
     return out
@@ -128,6 +134,40 @@ class SettingsDialog(QDialog):
         ):
             form.addRow(label, w)
         tabs.addTab(f, "Agent")
+        y = QWidget()
+        yf = QFormLayout(y)
+        self.idle_minutes = QDoubleSpinBox()
+        self.idle_minutes.setRange(0, 24 * 60)
+        self.idle_minutes.setSuffix(" min")
+        self.while_in_use = QComboBox()
+        self.while_in_use.addItems(MODES)
+        self.temp_high = QSpinBox()
+        self.temp_high.setRange(30, 130)
+        self.temp_high.setSuffix(" °C")
+        self.temp_low = QSpinBox()
+        self.temp_low.setRange(20, 130)
+        self.temp_low.setSuffix(" °C")
+        self.on_battery = QComboBox()
+        self.on_battery.addItems(MODES)
+        self.battery_floor = QSpinBox()
+        self.battery_floor.setRange(0, 100)
+        self.battery_floor.setSuffix(" %")
+        self.hours = QLineEdit()
+        self.hours.setPlaceholderText("any time; or e.g. 08:00-19:00")
+        self.throttle_on = QCheckBox("step back when this laptop's user needs it")
+        rows: tuple[tuple[str, QWidget], ...] = (
+            ("", self.throttle_on),
+            ("Contribute after", self.idle_minutes),
+            ("While I use it", self.while_in_use),
+            ("Pause at", self.temp_high),
+            ("Resume below", self.temp_low),
+            ("On battery", self.on_battery),
+            ("Battery floor", self.battery_floor),
+            ("Hours", self.hours),
+        )
+        for label, widget in rows:
+            yf.addRow(label, widget)
+        tabs.addTab(y, "When I use it")
         c = QWidget()
         cf = QFormLayout(c)
         self.coordinator_url = QLineEdit()
@@ -143,6 +183,7 @@ class SettingsDialog(QDialog):
         self.text = QPlainTextEdit()
         av.addWidget(self.text)
         tabs.addTab(a, "Advanced")
+        self.advanced_tab = tabs.count() - 1
         self.tabs = tabs
         self.message = QLabel("")
         self.message.setWordWrap(True)
@@ -183,6 +224,15 @@ class SettingsDialog(QDialog):
         self.models_dir.setText(str(raw.get("models_dir") or ""))
         self.log_level.setCurrentText(str(raw.get("log_level", "debug")))
         self.autostart.setChecked(autostart.is_enabled())
+        th = raw.get("throttle") or {}
+        self.throttle_on.setChecked(bool(th.get("enabled", True)))
+        self.idle_minutes.setValue(float(th.get("idle_minutes", 2)))
+        self.while_in_use.setCurrentText(str(th.get("while_in_use", "pause")))
+        self.temp_high.setValue(int(th.get("temp_high_c", 90)))
+        self.temp_low.setValue(int(th.get("temp_low_c", 80)))
+        self.on_battery.setCurrentText(str(th.get("on_battery", "pause")))
+        self.battery_floor.setValue(int(th.get("battery_floor_pct", 30)))
+        self.hours.setText(str(th.get("hours") or ""))
         self.text.setPlainText(text)
         tray = load_tray_settings()
         self.coordinator_url.setText(tray.get("coordinator_url") or "")
@@ -205,6 +255,15 @@ class SettingsDialog(QDialog):
             "serve.api_port": self.serve_port.value() if self.serve_port.value() != 8000 else None,
             "models_dir": self.models_dir.text().strip(),
             "log_level": self.log_level.currentText() if self.log_level.currentText() != "debug" else None,
+            # the throttle: what differs from the agent's defaults
+            "throttle.enabled": None if self.throttle_on.isChecked() else False,
+            "throttle.idle_minutes": _unless(self.idle_minutes.value(), 2.0),
+            "throttle.while_in_use": _unless(self.while_in_use.currentText(), "pause"),
+            "throttle.temp_high_c": _unless(self.temp_high.value(), 90),
+            "throttle.temp_low_c": _unless(self.temp_low.value(), 80),
+            "throttle.on_battery": _unless(self.on_battery.currentText(), "pause"),
+            "throttle.battery_floor_pct": _unless(self.battery_floor.value(), 30),
+            "throttle.hours": self.hours.text().strip(),
         }
 
     # -- saving ----------------------------------------------------------------------------------
@@ -213,7 +272,7 @@ class SettingsDialog(QDialog):
 
     async def async_save(self) -> bool:
         self.saved.clear()
-        advanced = self.tabs.currentIndex() == 2
+        advanced = self.tabs.currentIndex() == self.advanced_tab
         try:
             if advanced:
                 r = await self.client.put_settings(text=self.text.toPlainText())

@@ -113,12 +113,13 @@ def notices(before: dict[str, Any] | None, after: dict[str, Any] | None) -> list
         return []
     out = []
     was, now = (before.get("state"), before.get("reason")), (after.get("state"), after.get("reason"))
-    if now != was and now[0] in ("paused", "limited") and now[1] and now[1] != "user":
+    # heat and battery are news; the user's own activity or switch is not (they know)
+    if now != was and now[0] in ("paused", "limited") and reason_kind(now[1]) == "heat":
         kind = "paused" if now[0] == "paused" else "is contributing less"
         verb = "was paused" if now[0] == "paused" else kind
         why = now[1]
         out.append(Notice("lakeshard", f"This laptop {verb}: {why}. Its work moved to other laptops."))
-    if was[0] == "paused" and now[0] == "available" and was[1] != "user":
+    if was[0] == "paused" and now[0] == "available" and reason_kind(was[1]) == "heat":
         out.append(Notice("lakeshard", "This laptop contributes again."))
     return out
 

@@ -130,6 +130,8 @@ def test_a_timed_pause_says_until_when() -> None:
         (_n(state="paused", reason="92 C"), _n(), ["This laptop contributes again."]),
         (_n(state="paused", reason="user"), _n(), []),
         (_n(state="paused", reason="92 C"), _n(state="paused", reason="92 C"), []),
+        (_n(), _n(state="paused", reason="user active"), []),  # they know: they are typing
+        (_n(state="paused", reason="user active"), _n(), []),
     ],
 )
 def test_notifications_for_this_laptop(

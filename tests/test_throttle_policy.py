@@ -204,3 +204,11 @@ def test_the_probes_on_this_machine_read_or_say_none(monkeypatch: pytest.MonkeyP
         assert r.foreground_cpu is None or 0.0 <= r.foreground_cpu <= 1.0
     monkeypatch.delenv("DISPLAY", raising=False)
     assert IdleProbe().read() is None or IdleProbe().read() >= 0  # type: ignore[operator]
+
+
+def test_the_benchmarks_resume_time_is_the_end_of_the_longest_stall() -> None:
+    from agent.bench.throttle import resume_after
+
+    arrivals = [0.1, 0.2, 0.3, 1.0, 1.05, 3.5, 3.55, 3.6]  # input at 1.0; the stall ends at 3.5
+    assert resume_after(arrivals, 1.0) == pytest.approx(2.5)
+    assert resume_after([0.1, 0.2], 1.0) is None

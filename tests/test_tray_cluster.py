@@ -376,7 +376,7 @@ def test_settings_are_checked_by_the_agent_written_and_applied(
         assert not first["exists"] and d.cluster.text() == "default" and d.port.value() == 7700
 
         # a bad value is the agent's own error, and nothing is written
-        d.tabs.setCurrentIndex(2)
+        d.tabs.setCurrentIndex(d.advanced_tab)
         d.text.setPlainText("port: not-a-port\n")
         assert run(qloop, d.async_save()) is False
         assert "port: 'not-a-port' is not a port number" in d.message.text()
@@ -388,9 +388,15 @@ def test_settings_are_checked_by_the_agent_written_and_applied(
         d.log_level.setCurrentText("info")
         d.autostart.setChecked(True)
         d.coordinator_url.setText("http://10.0.0.5:8000")
+        d.idle_minutes.setValue(5)
+        d.temp_high.setValue(85)
         assert run(qloop, d.async_save()) is True
         saved = _get(f"{api}/v1/settings")
-        assert saved["settings"] == {"serve": {"model": "smollm2-135m"}, "log_level": "info"}
+        assert saved["settings"] == {
+            "serve": {"model": "smollm2-135m"},
+            "log_level": "info",
+            "throttle": {"idle_minutes": 5.0, "temp_high_c": 85},
+        }
         assert "serve_model apply after the agent restarts" in d.message.text()
         assert (tmp_path / "xdg" / "autostart" / "lakeshard.desktop").is_file()
         assert load_tray_settings()["coordinator_url"] == "http://10.0.0.5:8000"

@@ -8,12 +8,9 @@ Skipped, with the reason, where those programs are missing (``.ci/run`` installs
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,54 +18,24 @@ import pytest
 
 from coordinator.local_cluster import free_port
 from tests.conftest import REPO
+from tests.xserver import missing, wait_for, xvfb
 
-TOOLS = ("Xvfb", "trayer", "xdotool", "xwininfo", "import")
-missing = [t for t in TOOLS if shutil.which(t) is None]
+MISSING = missing("Xvfb", "trayer", "xdotool", "xwininfo", "import")
 pytestmark = [
     pytest.mark.skipif(
-        bool(missing), reason=f"needs {', '.join(missing)} (apt-get install xvfb trayer xdotool x11-utils imagemagick)"
+        bool(MISSING), reason=f"needs {', '.join(MISSING)} (apt-get install xvfb trayer xdotool x11-utils imagemagick)"
     ),
     pytest.mark.timeout(240),
 ]
 
 
-def _until(what: str, fn, timeout: float = 30.0):  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout
-    while True:
-        v = fn()
-        if v:
-            return v
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
-
-
 @pytest.fixture
 def display(tmp_path: Path) -> Iterator[dict[str, str]]:
-    n = 90 + os.getpid() % 400
-    xvfb = subprocess.Popen(
-        ["Xvfb", f":{n}", "-screen", "0", "1024x768x24", "-nolisten", "tcp"], stderr=subprocess.DEVNULL
-    )
-    env = {**os.environ, "DISPLAY": f":{n}", "QT_QPA_PLATFORM": "xcb", "LAKESHARD_HOME": str(tmp_path / "home")}
-    try:
-        _until(
-            "the X server",
-            lambda: subprocess.run(["xdotool", "getdisplaygeometry"], env=env, capture_output=True).returncode == 0,
-        )
+    """An X server with an XEmbed system tray on it."""
+    with xvfb() as xenv:
+        env = {**xenv, "QT_QPA_PLATFORM": "xcb", "LAKESHARD_HOME": str(tmp_path / "home")}
         tray = subprocess.Popen(
-            [
-                "trayer",
-                "--edge",
-                "top",
-                "--align",
-                "right",
-                "--widthtype",
-                "request",
-                "--height",
-                "24",
-                "--transparent",
-                "false",
-            ],
+            ["trayer", "--edge", "top", "--align", "right", "--widthtype", "request", "--height", "24"],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -78,9 +45,6 @@ def display(tmp_path: Path) -> Iterator[dict[str, str]]:
         finally:
             tray.terminate()
             tray.wait(10)
-    finally:
-        xvfb.terminate()
-        xvfb.wait(10)
 
 
 def _tree(env: dict[str, str]) -> str:
@@ -142,11 +106,11 @@ def test_the_tray_icon_embeds_opens_its_menu_and_stays_single(display: dict[str,
     ]
     tray = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        x, y, w, h = _until("the icon in the tray", lambda: _embedded(env), 90)
+        x, y, w, h = wait_for("the icon in the tray", lambda: _embedded(env), 90)
         assert 8 <= w <= 64 and 8 <= h <= 64
         before = _visible_windows(env)
         subprocess.run(["xdotool", "mousemove", str(x + w // 2), str(y + h // 2), "click", "3"], env=env, check=True)
-        menu = _until("the menu", lambda: [s for s in _visible_windows(env) if s not in before and s[1] > 100], 10)
+        menu = wait_for("the menu", lambda: [s for s in _visible_windows(env) if s not in before and s[1] > 100], 10)
         shot = tmp_path / "tray-menu.png"
         subprocess.run(["import", "-window", "root", str(shot)], env=env, check=True, timeout=30)
         assert shot.stat().st_size > 1000 and menu[0][0] > 100
@@ -155,7 +119,7 @@ def test_the_tray_icon_embeds_opens_its_menu_and_stays_single(display: dict[str,
         # a second launch brings the running one forward (its chat window) and leaves
         second = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
         assert second.returncode == 0 and "already running" in second.stdout
-        chat = _until(
+        chat = wait_for(
             "the chat window",
             lambda: subprocess.run(
                 ["xdotool", "search", "--onlyvisible", "--name", "lakeshard chat"],
@@ -171,7 +135,7 @@ def test_the_tray_icon_embeds_opens_its_menu_and_stays_single(display: dict[str,
         tray.terminate()
         assert tray.wait(20) == 0
         # it stopped the agent it had started
-        _until(
+        wait_for(
             "the agent to stop",
             lambda: subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True).returncode != 0,
             20,
