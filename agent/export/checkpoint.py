@@ -194,7 +194,8 @@ class RandomCheckpoint(Checkpoint):
         if name.endswith("norm.weight"):
             return np.ones(shape, dtype=np.float32)
         rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
-        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float32)
+        std = float(getattr(self.config, "initializer_range", 0.02) or 0.02)
+        return (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
 
 
 def load_config(path: Path) -> Any:
