@@ -189,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--tokens", type=_positive_int, default=128)
     par.add_argument("--threads", type=_positive_int, default=2)
     par.add_argument("--exact", action="store_true", help="f32 activations and KV cache for every variant")
+    par.add_argument("--device", default="CPU", help="where every variant runs: CPU, GPU, GPU.1 or AUTO")
     pl = bsub.add_parser("pipeline", help="multi-process pipelines vs one machine (nodes pinned to their own cores)")
     pl.add_argument("--model", default="smollm2-135m")
     pl.add_argument("--weights", choices=["fp32", "fp16", "int8", "int4"])
@@ -202,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--prompt-tokens", type=_positive_int, default=32, help="prompt length with random weights")
     pl.add_argument("--runs", type=_positive_int, default=3)
     pl.add_argument("--random-weights", action="store_true", help="the model's shapes with random weights")
+    pl.add_argument(
+        "--device",
+        default="CPU",
+        help="the nodes' device: CPU, GPU, or a list cycled over the nodes (GPU,CPU: a mixed cluster); "
+        "the monolithic reference runs on the first",
+    )
     pl.add_argument(
         "--ring-loop",
         choices=["on", "off", "both"],
@@ -272,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="confidence bar to stop drafting (K=auto only): auto (from costs), off, or 0..1; e.g. auto,off",
     )
+    sp.add_argument("--device", default="CPU", help="the nodes' device: CPU, GPU, or a list cycled over them")
     sp.add_argument("--prompts", choices=["code", "chat"], default="code")
     sp.add_argument("--num-prompts", type=_positive_int, default=4)
     sp.add_argument("--stages", type=_positive_int, default=1)

@@ -85,8 +85,9 @@ class LocalCluster:
             threads = self.threads or (len(self.cores[i]) if self.cores else None)
             if threads:
                 cmd += ["--threads", str(threads)]
-            if self.device:
-                cmd += ["--device", self.device]
+            if self.device:  # one device for all, or a comma list cycled over the nodes: GPU,CPU
+                devs = [d.strip() for d in self.device.split(",") if d.strip()]
+                cmd += ["--device", devs[i % len(devs)]]
             if not self.throttle:
                 cmd += ["--throttle", "off"]
             cmd += self.agent_args

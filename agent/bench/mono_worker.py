@@ -18,7 +18,7 @@ def main() -> int:
     job = json.loads(sys.argv[1])
     from agent.runtime.chain import Chain
 
-    chain = Chain.load(job["export_dir"], device="CPU", threads=job["threads"])
+    chain = Chain.load(job["export_dir"], device=job.get("device", "CPU"), threads=job["threads"])
     streams = chain.open_streams()
     prompt = job["prompt"]
     chain.generate(prompt, max_tokens=8, streams=streams)  # warm-up: first inferences allocate

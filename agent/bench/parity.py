@@ -24,11 +24,13 @@ from agent.export.exporter import ExportOptions, export_model
 from agent.models.registry import REGISTRY
 from agent.models.store import ModelStore
 from agent.runtime.chain import Chain
-from agent.runtime.device import compile_properties, core
+from agent.runtime.device import choose_device, core, device_names
+from agent.runtime.device_profile import compile_properties
 from agent.runtime.tokenizer import ChatTokenizer
 from coordinator.planner import balanced_split, model_costs
 
 log = logging.getLogger(__name__)
+PRECISION = "INFERENCE_PRECISION_HINT"
 
 PROMPT = (
     "Write a Python function that parses a CSV file of sales records (date, region, amount), "
@@ -40,13 +42,15 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _genai_runner(export_dir: Any, props: dict[str, Any], ids: list[int], tokens: int) -> Callable[[], Any]:
+def _genai_runner(
+    export_dir: Any, device: str, props: dict[str, Any], ids: list[int], tokens: int
+) -> Callable[[], Any]:
     import openvino as ov
     import openvino_genai as ovg
 
     # The stateful SDPA backend: the continuous-batching (PagedAttention) backend re-writes the
     # graph for optimum-style masks and does not accept this IR.
-    pipe = ovg.LLMPipeline(str(export_dir), "CPU", ATTENTION_BACKEND="SDPA", **props)
+    pipe = ovg.LLMPipeline(str(export_dir), device, ATTENTION_BACKEND="SDPA", **props)
     cfg = pipe.get_generation_config()
     cfg.max_new_tokens = tokens
     cfg.min_new_tokens = tokens
@@ -74,6 +78,7 @@ def _chain_runner(chain: Chain, ids: list[int], tokens: int) -> Callable[[], Any
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = choose_device(getattr(args, "device", None) or "CPU")  # fail fast, before any export
     store = ModelStore()
     model = store.resolve(args.model, quiet=args.json)
     spec = REGISTRY.get(model.name)
@@ -92,12 +97,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tok = ChatTokenizer(exports["chain2"].dir / "tokenizer")
     ids = tok.chat_ids([{"role": "user", "content": PROMPT}])
     exact = bool(args.exact)
-    props = compile_properties("CPU", threads=threads, exact=exact)
+    props = compile_properties(device, threads=threads, exact=exact)
+    _say(f"device {device} ({device_names().get(device, device)}): {props}")
     runners: dict[str, Callable[[], Any]] = {
-        "genai": _genai_runner(exports["genai"].dir, props, ids, args.tokens),
+        "genai": _genai_runner(exports["genai"].dir, device, props, ids, args.tokens),
     }
     for name, key in (("mono", "genai"), ("shard1_beam", None), ("shard1_nobeam", None), ("chain2", None)):
-        chain = Chain.load(exports[key or name].dir, device="CPU", threads=threads, exact=exact)
+        chain = Chain.load(exports[key or name].dir, device=device, threads=threads, exact=exact)
         runners[name] = _chain_runner(chain, ids, args.tokens)
 
     for fn in runners.values():  # warm-up (first-inference allocations)
@@ -121,8 +127,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "suite": "parity",
         "model": model.name,
         "weights": weights,
-        "threads": threads,
-        "precision": str(props.get("INFERENCE_PRECISION_HINT", core().get_property("CPU", "INFERENCE_PRECISION_HINT"))),
+        "device": device,
+        "device_name": device_names().get(device, device),
+        "threads": threads if device == "CPU" else None,
+        "precision": str(props.get("INFERENCE_PRECISION_HINT") or core().get_property(device, PRECISION)),
         "kv_precision": str(props.get("KV_CACHE_PRECISION")),
         "tokens": args.tokens,
         "runs": args.runs,

@@ -33,6 +33,7 @@ from agent import aio
 from agent.export.exporter import ExportOptions, export_model
 from agent.models.registry import REGISTRY
 from agent.models.store import LocalModel, ModelStore
+from agent.runtime.device import DeviceError, choose_device, device_names
 from coordinator.local_cluster import LocalCluster
 from coordinator.scheduler import GenRequest
 from coordinator.serve import Coordinator, ServeConfig, plan_ranges
@@ -84,8 +85,8 @@ def _prompt(model: LocalModel, export_dir: Path, length: int) -> list[int]:
 class Mono:
     """A monolithic reference process pinned to ``cores``: it loads once, then runs on request."""
 
-    def __init__(self, export_dir: Path, cores: list[int], prompt: list[int]) -> None:
-        job = {"export_dir": str(export_dir), "threads": len(cores), "prompt": prompt}
+    def __init__(self, export_dir: Path, cores: list[int], prompt: list[int], device: str = "CPU") -> None:
+        job = {"export_dir": str(export_dir), "threads": len(cores), "prompt": prompt, "device": device}
         cmd = ["taskset", "-c", ",".join(map(str, cores)), sys.executable, "-m", "agent.bench.mono_worker"]
         self._err = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
@@ -229,6 +230,15 @@ def prepare(args: argparse.Namespace) -> Setup:
     return Setup(model, weights, opts, stages, node_cores, whole.dir)
 
 
+def bench_devices(args: argparse.Namespace) -> list[str]:
+    """``--device GPU`` or ``--device GPU,CPU`` (cycled over the nodes), each checked here."""
+    words = [w.strip() for w in (getattr(args, "device", None) or "CPU").split(",") if w.strip()]
+    try:
+        return [choose_device(w) for w in words] or ["CPU"]
+    except DeviceError as e:
+        raise BenchError(str(e)) from None
+
+
 def _head_helps(v: str) -> list[str]:
     words = [w.strip() for w in v.split(",") if w.strip()]
     if not words or any(w not in ("auto", "on", "off") for w in words):
@@ -243,7 +253,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     setup = prepare(args)
     model, weights, opts, node_cores = setup.model, setup.weights, setup.opts, setup.node_cores
     prompt = _prompt(model, setup.whole_dir, args.prompt_tokens)
-    monos = [Mono(setup.whole_dir, cores, prompt) for cores in node_cores]
+    devices = bench_devices(args)
+    # the reference is one laptop: the whole model on the first node's device and cores
+    monos = [Mono(setup.whole_dir, cores, prompt, devices[0]) for cores in node_cores]
     try:
         return _rows(args, model, opts, weights, monos, node_cores, prompt)
     finally:
@@ -267,9 +279,11 @@ def _rows(
     term = 0
     spins, helps = _floats(args.spin_ms), _head_helps(args.head_help)
     for s, spin, help_ in itertools.product(stages, spins, helps):
-        # CPU on every node, like the monolithic run: the comparison is of cores, not devices
+        # CPU on every node by default, like the monolithic run: the comparison is of cores;
+        # --device GPU puts every stage on the GPU, --device GPU,CPU alternates (a mixed cluster)
         agent_args = ["--spin-ms", f"{spin:g}", "--head-help", help_]
-        with LocalCluster(s, cores=node_cores[:s], threads=c, device="CPU", agent_args=agent_args) as cluster:
+        device = ",".join(bench_devices(args))
+        with LocalCluster(s, cores=node_cores[:s], threads=c, device=device, agent_args=agent_args) as cluster:
             for delay in delays:
                 loops = {"on": [True], "off": [False], "both": [False, True]}[args.ring_loop]
                 variants = [(k, True, lp) for k in streams for lp in loops]
@@ -295,6 +309,7 @@ def _rows(
                     res = aio.run(_measure(cfg, prompt, k, tokens, args.runs, ids_only, monos[0], args.rebalance))
                     row = {
                         "stages": s,
+                        "devices": [bench_devices(args)[i % len(bench_devices(args))] for i in range(s)],
                         "streams": k,
                         "link_delay_ms": delay,
                         "link_mbps": mbps,
@@ -321,6 +336,8 @@ def _rows(
     mono = statistics.median(lan or [r["mono_tok_s"] for r in rows])
     out = {
         "suite": "pipeline",
+        "device": ",".join(bench_devices(args)),
+        "device_names": {d: device_names().get(d, d) for d in bench_devices(args)},
         "model": model.name,
         "weights": weights,
         "random_weights": bool(args.random_weights),

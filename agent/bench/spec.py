@@ -25,11 +25,12 @@ from typing import Any
 import numpy as np
 
 from agent import aio
-from agent.bench.pipeline import BenchError
+from agent.bench.pipeline import BenchError, bench_devices
 from agent.bench.spec_prompts import PROMPTS
 from agent.export.exporter import ExportOptions, export_model
 from agent.models.registry import REGISTRY
 from agent.models.store import LocalModel, ModelStore
+from agent.runtime.device import device_names
 from coordinator.local_cluster import LocalCluster
 from coordinator.scheduler import GenRequest
 from coordinator.serve import Coordinator, ServeConfig
@@ -93,11 +94,13 @@ def _label(k: int | None, depth: int | None = None, conf: float | None = None) -
     )
 
 
-def rollback_costs(stage_dir: Path, prompt: list[int], threads: int, k: int = 3, reps: int = 15) -> dict[str, float]:
+def rollback_costs(
+    stage_dir: Path, prompt: list[int], threads: int, k: int = 3, reps: int = 15, device: str = "CPU"
+) -> dict[str, float]:
     """Median ms of a mask rollback, a physical trim and one decode step on a real stage."""
     from agent.runtime.stage import Stage
 
-    stage = Stage(stage_dir, device="CPU", threads=threads)
+    stage = Stage(stage_dir, device=device, threads=threads)
     mask_ms, trim_ms, step_ms = [], [], []
     streams = [stage.open_stream(), stage.open_stream()]
     for st in streams:
@@ -258,6 +261,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ks = parse_ks(args.k)
     parse_depths(args.depth)  # a bad --depth or --confidence fails before any export
     parse_confidences(args.confidence)
+    device = ",".join(bench_devices(args))  # one kind for every node, or GPU,CPU (cycled)
     quiet = bool(args.json)
     store = ModelStore()
     target = store.resolve(args.target, quiet=quiet)
@@ -284,6 +288,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     result: dict[str, Any] = {
         "suite": "spec",
+        "device": device,
+        "device_names": {d: device_names().get(d, d) for d in bench_devices(args)},
         "target": target.name,
         "draft": args.draft,
         "prompts": args.prompts,
@@ -300,10 +306,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     _say("timing rollback: mask vs physical trim")
     os.sched_setaffinity(0, node_cores[0])
-    result.update(rollback_costs(whole.stage_dirs()[0], prompts[0], threads=c))
+    result.update(rollback_costs(whole.stage_dirs()[0], prompts[0], threads=c, device=device.split(",")[0]))
     os.sched_setaffinity(0, avail)
 
-    with LocalCluster(n, cores=node_cores, threads=c, device="CPU") as cluster:
+    with LocalCluster(n, cores=node_cores, threads=c, device=device) as cluster:
         home = args.coordinator_on == "first"
         if home:  # the coordinator shares the first stage's machine: its cores (and any spare ones)
             os.sched_setaffinity(0, node_cores[0] + spare)

@@ -94,47 +94,27 @@ def device_names() -> dict[str, str]:
     return out
 
 
-def choose_device(requested: str = "AUTO") -> str:
-    """AUTO picks an Intel GPU when OpenVINO sees one, else the CPU.
+def pick_device(requested: str, available: list[str]) -> str:
+    """The device a stage runs on, from what was asked for and what OpenVINO lists (pure).
 
-    Stage IRs have dynamic shapes, which the NPU plugin does not run as-is: NPU is used only
-    when asked for explicitly.
+    AUTO takes the first GPU (``GPU`` or ``GPU.0``: on a laptop, the integrated one), else
+    the CPU. Stage IRs have dynamic shapes, which the NPU plugin does not run as-is: NPU is
+    used only when asked for explicitly. A kind (``GPU``) matches any of its devices
+    (``GPU.0``, ``GPU.1``); a device not listed is one line naming those that are.
     """
-    req = (requested or "AUTO").upper()
-    devs = available_devices()
+    req = (requested or "AUTO").strip().upper()
     if req == "AUTO":
-        gpus = [d for d in devs if d.startswith("GPU")]
+        gpus = [d for d in available if d.split(".")[0] == "GPU"]
         return gpus[0] if gpus else "CPU"
-    if req in devs or any(d.split(".")[0] == req for d in devs):
+    if req in available:
         return req
-    raise DeviceError(f"device {requested!r} is not available; OpenVINO sees: {', '.join(devs) or 'nothing'}")
+    same_kind = [d for d in available if d.split(".")[0] == req]
+    if same_kind:
+        return req if "." not in req else same_kind[0]
+    seen = ", ".join(available) or "nothing"
+    raise DeviceError(f"device {requested!r} is not available; OpenVINO sees: {seen}")
 
 
-def compile_properties(
-    device: str, *, threads: int | None = None, exact: bool = False, kv_precision: str | None = None
-) -> dict[str, Any]:
-    """Properties for compiling a stage. ``exact`` = f32 everywhere (for parity tests).
-
-    On CPU, activations are f32 by default: with compressed (INT4/INT8) weights, decode ran
-    29% faster in f32 than in the plugin's bf16 default on an AMX Xeon (Qwen2.5-0.5B INT4,
-    2 threads: 43.6 vs 33.9 tok/s), the bf16 path paying for conversions that a one-token
-    step cannot amortise. ``LAKESHARD_CPU_PRECISION=bf16`` restores the plugin default.
-    """
-    props: dict[str, Any] = {"PERFORMANCE_HINT": "LATENCY"}
-    kind = device.split(".")[0]
-    if kind in ("CPU", "GPU"):
-        props["KV_CACHE_PRECISION"] = "f32" if exact else (kv_precision or "f16")
-    if exact:
-        props["INFERENCE_PRECISION_HINT"] = "f32"
-        if kind == "CPU":
-            # no dynamic int8 quantization of activations: it groups tokens, so a result would
-            # depend on how many tokens share a call (prefill vs steps, verify vs decode)
-            props["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0
-    elif kind == "CPU":
-        prec = os.environ.get("LAKESHARD_CPU_PRECISION", "f32")
-        if prec not in ("f32", "bf16", "f16"):
-            raise DeviceError(f"LAKESHARD_CPU_PRECISION must be f32, bf16 or f16, not {prec!r}")
-        props["INFERENCE_PRECISION_HINT"] = prec
-    if kind == "CPU" and threads:
-        props["INFERENCE_NUM_THREADS"] = int(threads)
-    return props
+def choose_device(requested: str = "AUTO") -> str:
+    """:func:`pick_device` over the devices this machine's OpenVINO lists."""
+    return pick_device(requested, available_devices())

@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 import openvino as ov
 
-from agent.runtime.device import choose_device, compile_model, compile_properties
+from agent.runtime.device import choose_device, compile_model
+from agent.runtime.device_profile import compile_properties
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,34 @@
+#!/bin/bash
+# How the README's GPU table was measured on the lent device machine (an NVIDIA H200 that
+# OpenVINO's GPU plugin sees through PoCL). Carried there: OpenVINO and friends (cp312 wheels,
+# unpacked to .carry/site) and the smollm2-135m model store entry (.carry/models).
+#   docs/bench/gpu_run.sh setup | tests | parity | pipeline | spec   (several in one call)
+# Logs and JSON lines go to $OUT (or ./gpu_out).
+set -u
+OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD/.carry/site PYTHONUNBUFFERED=1 LAKESHARD_MODELS_DIR=$PWD/.carry/models PYTHONWARNINGS=ignore
+t0=$(date +%s)
+left() { echo $(( ${BUDGET:-590} - ($(date +%s) - t0) )); }
+for phase in "$@"; do
+  echo "== $phase at +$(( $(date +%s) - t0 ))s"
+  case $phase in
+    setup)
+      python3 -c "import tarfile; tarfile.open('.carry/a/site.tar.xz').extractall('.carry', filter='data')"
+      mkdir -p .carry/models && cp -r .carry/a/smollm2-135m .carry/models/
+      python3 -c "import openvino as ov, aiohttp, zeroconf, msgpack, nncf, transformers, torch; c=ov.Core(); print(ov.__version__, c.available_devices, [c.get_property(d,'FULL_DEVICE_NAME') for d in c.available_devices])" ;;
+    model)
+      cat .carry/a/gguf.aa .carry/b/gguf.ab .carry/b/gguf.ac .carry/c/gguf.ad > .carry/models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
+      sha256sum .carry/models/smollm2-135m/*.gguf ;;
+    tests)
+      timeout $(left) python3 -m pytest tests/test_gpu.py -p no:cacheprovider -rA -s 2>&1 | tee "$OUT/test_gpu.log" | tail -40 ;;
+    parity)
+      timeout $(left) python3 -m agent bench parity --device GPU --runs 3 --tokens 64 --json 2>&1 | tee "$OUT/parity_gpu.log" | tail -8 ;;
+    pipeline)
+      timeout $(left) python3 -m agent bench pipeline --device GPU --stages 1,2 --streams 1,2 --runs 2 --json 2>&1 | tee "$OUT/pipeline_gpu.log" | tail -12 ;;
+    mixed)
+      timeout $(left) python3 -m agent bench pipeline --device GPU,CPU --stages 2 --streams 1,2 --cores-per-node 4 --runs 2 --json 2>&1 | tee "$OUT/pipeline_mixed.log" | tail -8 ;;
+    spec)
+      timeout $(left) python3 -m agent bench spec --device GPU --stages 1 --k auto,3,5 --prompts code --json 2>&1 | tee "$OUT/spec_gpu.log" | tail -12 ;;
+  esac
+done
+echo "== done at +$(( $(date +%s) - t0 ))s"
