@@ -6,6 +6,7 @@ disconnects mid-stream cancels its generation and frees its stream on every stag
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -249,9 +250,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return bad_model
     try:
         msgs, opts = parse_chat_request(body, st)
-        ids = st.tokenizer.chat_ids(msgs)
     except BadRequest as e:
         return _error(400, str(e))
+    at_least = st.tokenizer.min_tokens(msgs)
+    if at_least + opts["max_tokens"] > st.context_limit:  # certain without tokenizing megabytes
+        return _error(
+            400, f"prompt (at least {at_least} tokens) plus max_tokens exceeds the context of {st.context_limit}"
+        )
+    ids = await asyncio.to_thread(st.tokenizer.chat_ids, msgs)  # tokenizing takes seconds for megabytes
     if len(ids) + opts["max_tokens"] > st.context_limit:
         return _error(400, f"prompt ({len(ids)} tokens) plus max_tokens exceeds the context of {st.context_limit}")
     so = body.get("stream_options")

@@ -222,3 +222,30 @@ def test_an_agent_that_hangs_up_on_its_assignment_is_named_with_its_close_code(t
 
     msg = aio.run(main())
     assert "127.0.0.1" in msg and "during assignment" in msg and "1011" in msg, msg
+
+
+@pytest.mark.parametrize("megabytes", [7.5, 2.0])
+def test_a_huge_prompt_is_refused_without_holding_up_the_api(served3: Served, megabytes: float) -> None:
+    """7.5 MB is refused before tokenizing (it cannot fit); 2 MB must be tokenized to know,
+    and that happens off the event loop: other requests are answered meanwhile."""
+    text = "The quick brown fox jumps over the lazy dog. " * int(megabytes * 2**20 / 45)
+    answer: dict[str, Any] = {}
+
+    def post() -> None:
+        body = {"messages": [{"role": "user", "content": text}]}
+        answer["status"], answer["reply"] = post_chat(served3.api_url, body)
+
+    t = threading.Thread(target=post)
+    t0 = time.monotonic()
+    t.start()
+    waits = []
+    while t.is_alive() and time.monotonic() - t0 < 60:
+        s = time.monotonic()
+        with urllib.request.urlopen(f"{served3.api_url}/v1/models", timeout=10) as r:
+            assert r.status == 200
+        waits.append(time.monotonic() - s)
+        time.sleep(0.05)
+    t.join(60)
+    assert answer["status"] == 400
+    assert "exceeds the context" in answer["reply"]["error"]["message"]
+    assert waits and max(waits) < 1.0, f"/v1/models waited {max(waits, default=0):.2f} s"

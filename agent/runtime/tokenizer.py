@@ -32,6 +32,14 @@ class ChatTokenizer:
         vocab = self.tok.get_vocab()
         stops.update(vocab[m] for m in _END_MARKERS if m in vocab)
         self.stop_ids = frozenset(stops)
+        special = set(getattr(self.tok, "all_special_tokens", ())) | set(self.tok.get_added_vocab())
+        # the most characters one token can cover (byte-level BPE and SentencePiece keys spell
+        # a token's text one character per byte or character): a bound for ``min_tokens``
+        self.max_token_chars = max((len(k) for k in vocab if k not in special), default=1) or 1
+
+    def min_tokens(self, messages: Sequence[dict[str, str]]) -> int:
+        """A lower bound on ``len(chat_ids(messages))``, at once: to refuse a huge prompt untokenized."""
+        return sum(len(m.get("content", "")) for m in messages) // self.max_token_chars
 
     def chat_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
         if self.tok.chat_template:
