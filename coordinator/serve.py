@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
 import signal
 import socket
 import sys
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import psutil
 from aiohttp import web
 
 from agent import aio
@@ -39,6 +41,7 @@ from coordinator.scheduler import Scheduler
 from coordinator.speculative import SpecConfig
 
 log = logging.getLogger(__name__)
+STOP_GRACE_S = 0.3  # on SIGTERM: for streams in flight to get their last chunk out
 
 
 # what an agent may fetch of a stage's export: its manifest and the files it lists
@@ -401,21 +404,23 @@ class Coordinator:
         )
 
     async def _site(self, app: web.Application, host: str, port: int) -> None:
-        runner = web.AppRunner(app, handler_cancellation=True)
+        # on shutdown, handlers get STOP_GRACE_S to send their streams' last (error) chunk
+        runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=STOP_GRACE_S)
         await runner.setup()
         await web.TCPSite(runner, host, port).start()
         self._runners.append(runner)
 
     async def async_stop(self) -> None:
+        """Stop serving: streams in flight end with a "shutting down" error, then the sites close.
+
+        A spare export still running in a worker thread is not waited for (it is written to a
+        temporary folder and renamed into place only when complete).
+        """
         if self._own_hub:
             await self.hub.async_stop()
-        if self._rebalancer is not None:
-            self._rebalancer.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._rebalancer
-        if self._spare is not None and not self._spare.done():
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._spare  # an export in a worker thread cannot be interrupted
+        for task in (self._rebalancer, self._spare):
+            if task is not None and not task.done():
+                task.cancel()
         if self.scheduler is not None:
             self.scheduler.shutdown()
         if self.pipeline is not None:
@@ -425,6 +430,8 @@ class Coordinator:
 
 
 def run_coordinator(cfg: ServeConfig) -> None:
+    """``lakeshard serve``: serve until SIGINT or SIGTERM, then exit within about a second."""
+
     async def main() -> None:
         coord = Coordinator(cfg)
         stop = asyncio.Event()
@@ -432,14 +439,40 @@ def run_coordinator(cfg: ServeConfig) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, stop.set)
+        start = asyncio.ensure_future(coord.async_start())
+        stopping = asyncio.ensure_future(stop.wait())
         try:
-            await coord.async_start()
-            print(f"lakeshard: serving {cfg.model.name} on {len(cfg.nodes)} nodes; API {coord.api_url}/v1", flush=True)
-            await stop.wait()
+            await asyncio.wait([start, stopping], return_when=asyncio.FIRST_COMPLETED)
+            if start.done():
+                start.result()  # a failed start raises here
+                print(
+                    f"lakeshard: serving {cfg.model.name} on {len(cfg.nodes)} nodes; API {coord.api_url}/v1", flush=True
+                )
+                await stopping
+            else:
+                log.info("stopped while starting")
         finally:
-            await coord.async_stop()
+            for t in (start, stopping):
+                t.cancel()
+            try:
+                await asyncio.wait_for(coord.async_stop(), STOP_GRACE_S * 2)
+            except (TimeoutError, Exception) as e:
+                log.warning("shutdown cut short: %s", e or type(e).__name__)
 
     try:
         aio.run(main())
     except KeyboardInterrupt:
-        sys.exit(130)
+        _exit_now(130)
+    _exit_now(0)
+
+
+def _exit_now(code: int) -> None:
+    """Exit without waiting for worker threads (a spare export): end their child processes first."""
+    with contextlib.suppress(Exception):
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.terminate()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

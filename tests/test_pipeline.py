@@ -249,3 +249,26 @@ def test_a_huge_prompt_is_refused_without_holding_up_the_api(served3: Served, me
     assert answer["status"] == 400
     assert "exceeds the context" in answer["reply"]["error"]["message"]
     assert waits and max(waits) < 1.0, f"/v1/models waited {max(waits, default=0):.2f} s"
+
+
+def test_serve_exits_within_a_second_of_sigterm_ending_streams_with_an_error(smollm2) -> None:  # type: ignore[no-untyped-def]
+    from tests.conftest import Served
+
+    s = Served(2, "--model", "smollm2-135m", "--weights", "int8")
+    try:
+        body = json.dumps(
+            {"messages": [{"role": "user", "content": "Write a long story."}], "stream": True, "max_tokens": 4000}
+        ).encode()
+        req = urllib.request.Request(f"{s.api_url}/v1/chat/completions", body, {"Content-Type": "application/json"})
+        resp = urllib.request.urlopen(req, timeout=60)
+        for _ in range(4):
+            assert resp.readline()
+        t0 = time.monotonic()
+        s.proc.terminate()
+        s.proc.wait(timeout=30)
+        took = time.monotonic() - t0
+        rest = resp.read().decode(errors="replace")
+    finally:
+        s.stop()
+    assert took < 1.0, f"serve took {took:.2f} s to exit after SIGTERM"
+    assert '"error"' in rest and "shutting down" in rest, rest[-500:]

@@ -116,6 +116,7 @@ def export_model(
     if out.exists() and any(out.iterdir()) and not (out / "export.json").exists():
         raise ExportError(f"{out} exists and is not a lakeshard export; choose an empty or new --out")
     out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned(out.parent)
     tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=out.parent))
     try:
         manifests = []
@@ -156,6 +157,20 @@ def _matches(have: ExportResult, model: LocalModel, ranges: list[tuple[int, int]
         and [tuple(r) for r in meta["ranges"]] == [tuple(r) for r in ranges]
         and meta["options"] == asdict(opts)
     )
+
+
+ABANDONED_S = 6 * 3600  # an unfinished export untouched this long was left by a process that ended
+
+
+def _remove_abandoned(folder: Path) -> None:
+    """Delete unfinished exports (``.export-*``) left by a process that exited mid-export."""
+    now = time.time()
+    for d in folder.glob(".export-*"):
+        try:
+            if now - d.stat().st_mtime > ABANDONED_S:
+                shutil.rmtree(d, ignore_errors=True)
+        except OSError:
+            continue
 
 
 def _model_info(model: LocalModel) -> dict[str, Any]:
