@@ -27,7 +27,9 @@ pytestmark = [
     pytest.mark.skipif(bool(TOOLS), reason=f"needs {', '.join(TOOLS)} (apt-get install xvfb xdotool libxss1)"),
     pytest.mark.timeout(900),
 ]
-QUICK = "throttle:\n  idle_minutes: 0.05\n  min_dwell_s: 0.5\n  cpu_high_pct: off\n"  # back after 3 s idle
+QUICK = (
+    "throttle:\n  idle_minutes: 0.05\n  min_dwell_s: 0.5\n  cpu_high_pct: off\n  gpu_high_pct: off\n"  # 3 s idle: back
+)
 
 
 def _get(url: str) -> dict[str, Any]:

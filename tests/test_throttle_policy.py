@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import ConfigError, parse
+from agent.config import ConfigError, load, parse
 from agent.throttle.idle import IdleProbe, parse_ioreg, parse_mutter, windows_idle_ms
 from agent.throttle.policy import AVAILABLE, LIMITED, PAUSED, Clock, Decision, ThrottleSettings, decide
 from agent.throttle.power import lid_closed
@@ -51,6 +51,14 @@ def _d(
         (None, replace(IDLE, foreground_cpu=0.75), S, LIMITED, "other programs use 75% CPU"),
         (_d(LIMITED, "x", cause="load", latches=("load",)), replace(IDLE, foreground_cpu=0.4), S, LIMITED, "x"),
         (_d(LIMITED, "x", cause="load", latches=("load",)), replace(IDLE, foreground_cpu=0.2), S, AVAILABLE, None),
+        (None, replace(IDLE, foreground_gpu=0.73), S, LIMITED, "other programs use 73% of the GPU"),
+        (None, replace(IDLE, foreground_gpu=0.5), S, LIMITED, "other programs use 50% of the GPU"),
+        (None, replace(IDLE, foreground_gpu=0.35), S, AVAILABLE, None),  # between the marks, not yet busy
+        (_d(LIMITED, "x", cause="gpu", latches=("gpu",)), replace(IDLE, foreground_gpu=0.35), S, LIMITED, "x"),
+        (_d(LIMITED, "x", cause="gpu", latches=("gpu",)), replace(IDLE, foreground_gpu=0.2), S, AVAILABLE, None),
+        (_d(LIMITED, "x", cause="load", latches=("load",)), replace(IDLE, foreground_gpu=0.35), S, AVAILABLE, None),
+        (None, replace(IDLE, foreground_gpu=1.0), replace(S, gpu_high=None), AVAILABLE, None),
+        (None, replace(IDLE, foreground_gpu=0.9, temp_c=95.0), S, PAUSED, "95 C"),
         (None, replace(IDLE, lid_closed=True), S, PAUSED, "lid closed"),
         # the most important cause names it; the strictest state wins
         (None, replace(IDLE, idle_s=3.0, temp_c=95.0, foreground_cpu=0.9), S, PAUSED, "95 C"),
@@ -133,6 +141,26 @@ def test_a_state_is_kept_for_its_dwell_time_before_relaxing() -> None:
     assert changes == [(0.0, AVAILABLE, None), (5.0, PAUSED, "on battery"), (15.0, AVAILABLE, None)]
 
 
+def test_gpu_load_limits_at_once_and_relaxes_at_its_low_mark_after_the_dwell() -> None:
+    s = ThrottleSettings(min_dwell_s=10.0)
+
+    def gpu(t: int, drop_at: int) -> float:
+        return 0.05 if t < 5 else 0.8 if t < 8 else 0.35 if t < drop_at else 0.1
+
+    between = [(float(t), replace(IDLE, foreground_gpu=gpu(t, 25))) for t in range(40)]
+    assert _run(between, s) == [  # the reason keeps its first reading while GPU load lasts
+        (0.0, AVAILABLE, None),
+        (5.0, LIMITED, "other programs use 80% of the GPU"),
+        (25.0, AVAILABLE, None),
+    ]
+    brief = [(float(t), replace(IDLE, foreground_gpu=gpu(t, 8))) for t in range(40)]
+    assert _run(brief, s) == [
+        (0.0, AVAILABLE, None),
+        (5.0, LIMITED, "other programs use 80% of the GPU"),
+        (15.0, AVAILABLE, None),
+    ]
+
+
 @pytest.mark.parametrize(
     ("throttle", "message"),
     [
@@ -140,6 +168,11 @@ def test_a_state_is_kept_for_its_dwell_time_before_relaxing() -> None:
         ({"temp_high_c": "hot"}, "throttle.temp_high_c: 'hot' must be a number from 30 to 130"),
         ({"temp_low_c": 95}, "throttle.temp_low_c: 95 must be below temp_high_c (90)"),
         ({"cpu_low_pct": 70}, "throttle.cpu_low_pct: 70 must be below cpu_high_pct (60)"),
+        ({"cpu_high_pct": 0}, "throttle.cpu_high_pct: 0 must be a number from 1 to 100"),
+        ({"gpu_low_pct": 50}, "throttle.gpu_low_pct: 50 must be below gpu_high_pct (50)"),
+        ({"gpu_high_pct": 0}, "throttle.gpu_high_pct: 0 must be a number from 1 to 100"),
+        ({"gpu_high_pct": "on"}, "throttle.gpu_high_pct: 'on' must be a number from 1 to 100"),
+        ({"gpu_low_pct": -5, "gpu_high_pct": "off"}, "throttle.gpu_low_pct: -5 must be a number from 0 to 100"),
         ({"on_battery": "maybe"}, "throttle.on_battery: 'maybe' must be one of pause, limit, run"),
         ({"while_in_use": True}, "throttle.while_in_use: True must be one of pause, limit, run"),
         ({"hours": "9 to 5"}, "throttle.hours: '9 to 5' must look like 08:00-19:00"),
@@ -166,6 +199,22 @@ def test_good_throttle_settings() -> None:
     assert decide(None, replace(IDLE, foreground_cpu=1.0), replace(off, min_dwell_s=0), 0.0).state == AVAILABLE
 
 
+def test_gpu_throttle_settings_from_the_config_file(tmp_path: Path) -> None:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("throttle:\n  gpu_high_pct: 70\n  gpu_low_pct: 40\n")
+    t = load(cfg).throttle
+    assert (t.gpu_high, t.gpu_low) == (0.7, 0.4)
+    assert (t.cpu_high, t.cpu_low) == (0.6, 0.3)  # the CPU's marks are its own
+    d = decide(None, replace(IDLE, foreground_gpu=0.6), replace(t, min_dwell_s=0), 0.0)
+    assert (d.state, d.reason) == (AVAILABLE, None)  # below the raised mark
+    defaults = parse({"throttle": {}}).throttle
+    assert (defaults.gpu_high, defaults.gpu_low) == (0.5, 0.2)
+    cfg.write_text("throttle:\n  gpu_high_pct: off\n")
+    off = load(cfg).throttle
+    assert off.gpu_high is None and off.cpu_high == 0.6
+    assert decide(None, replace(IDLE, foreground_gpu=1.0), replace(off, min_dwell_s=0), 0.0).state == AVAILABLE
+
+
 def test_probe_parsers() -> None:
     assert windows_idle_ms(5_000, 1_000) == 4_000
     assert windows_idle_ms(1_000, 2**32 - 3_000) == 4_000  # GetTickCount wrapped after 49.7 days
@@ -190,8 +239,23 @@ def test_lid_and_fake_readings(tmp_path: Path) -> None:
     fake = tmp_path / "sensors.json"
     fake.write_text(json.dumps({"temp_c": 95, "on_battery": True, "idle_s": "soon", "bogus": 1}))
     assert fake_readings(fake) == {"temp_c": 95.0, "on_battery": True}
+    fake.write_text(json.dumps({"foreground_gpu": 0.8, "foreground_cpu": None}))
+    assert fake_readings(fake) == {"foreground_gpu": 0.8, "foreground_cpu": None}
+    fake.write_text(json.dumps({"foreground_gpu": True}))
+    assert fake_readings(fake) == {}
     fake.write_text("{broken")
     assert fake_readings(fake) == {}
+
+
+def test_a_sensors_file_stands_in_for_the_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = tmp_path / "sensors.json"
+    rest = {"idle_s": 3600, "temp_c": 50, "foreground_cpu": 0.0, "on_battery": False, "lid_closed": False}
+    fake.write_text(json.dumps({"foreground_gpu": 0.73, **rest}))
+    monkeypatch.setenv("LAKESHARD_FAKE_SENSORS", str(fake))
+    r = Probes(slow_s=0.0).read()
+    assert r.foreground_gpu == 0.73 and r.brief()["foreground_gpu"] == 0.73
+    d = decide(None, r, S, 0.0)
+    assert (d.state, d.reason) == (LIMITED, "other programs use 73% of the GPU")
 
 
 def test_the_probes_on_this_machine_read_or_say_none(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -202,6 +266,8 @@ def test_the_probes_on_this_machine_read_or_say_none(monkeypatch: pytest.MonkeyP
         for name, v in r.brief().items():
             assert v is None or isinstance(v, int | float | bool), name
         assert r.foreground_cpu is None or 0.0 <= r.foreground_cpu <= 1.0
+        assert r.foreground_gpu is None or 0.0 <= r.foreground_gpu <= 1.0
+        assert "foreground_gpu" in r.brief()
     monkeypatch.delenv("DISPLAY", raising=False)
     assert IdleProbe().read() is None or IdleProbe().read() >= 0  # type: ignore[operator]
 

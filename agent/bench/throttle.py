@@ -36,7 +36,7 @@ from coordinator.local_cluster import LocalCluster
 PROMPT = "Tell me a long story about a lighthouse keeper and a storm."
 IDLE_MINUTES = 0.05  # the node re-joins after 3 s without input
 STOP_READ_S = 1.5  # when the stopped node's last step is read (well before it may re-join)
-CONFIG = f"throttle:\n  idle_minutes: {IDLE_MINUTES}\n  min_dwell_s: 0.5\n  cpu_high_pct: off\n"
+CONFIG = f"throttle:\n  idle_minutes: {IDLE_MINUTES}\n  min_dwell_s: 0.5\n  cpu_high_pct: off\n  gpu_high_pct: off\n"
 
 
 def _say(msg: str) -> None:

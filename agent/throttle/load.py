@@ -1,9 +1,9 @@
 """Foreground load: how much of the machine's CPU the laptop's other programs use.
 
 Busy CPU time of the whole machine (psutil) minus this agent's own process and its children
-(export workers), over the interval since the last reading, as a share of all cores. The GPU:
-no portable source today (None); where the OS exposes per-process GPU engine time, it belongs
-here.
+(export workers), over the interval since the last reading, as a share of all cores. The GPU's
+foreground load (per-process engine time: DRM fdinfo on Linux, PDH counters on Windows) is
+:mod:`agent.throttle.gpu_load`'s.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 ``decide(previous, readings, settings, now, clock)`` gives AVAILABLE, LIMITED or PAUSED with
 the reason. Restricting is immediate (the moment the user types, the chassis is hot, the
-laptop unplugs); relaxing waits: heat and foreground load have separate high and low marks,
-input must have stopped for ``idle_minutes``, and every state is kept at least
+laptop unplugs); relaxing waits: heat and foreground load (CPU, GPU) have separate high and
+low marks, input must have stopped for ``idle_minutes``, and every state is kept at least
 ``min_dwell_s`` before a less restrictive one, so a node does not flap on a noisy sensor.
 A reason's text is fixed while its cause lasts ("user active", "92 C"), so that adverts and
 node maps change only when something does.
@@ -19,6 +19,7 @@ AVAILABLE, LIMITED, PAUSED = "available", "limited", "paused"
 RANK = {AVAILABLE: 0, LIMITED: 1, PAUSED: 2}
 MODES = ("pause", "limit", "run")
 ALL_DAYS = frozenset(range(7))
+LATCHED = ("heat", "load", "gpu")  # causes with a low mark: they hold until it is reached
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class ThrottleSettings:
     battery_floor_pct: float = 30.0  # below this charge: paused, whatever on_battery says
     cpu_high: float | None = 0.6  # other programs' share of all cores: at or above, limited (None: never)
     cpu_low: float = 0.3  # once limited for load, until at or below this
+    gpu_high: float | None = 0.5  # other programs' share of the busiest GPU engine: the same (None: never)
+    gpu_low: float = 0.2  # once limited for it, until at or below this
     hours: tuple[int, int] | None = None  # minutes of the day [start, end) to contribute in (may wrap)
     days: frozenset[int] = ALL_DAYS  # weekdays to contribute on (0 = Monday)
     limited_share: float = 0.5  # the share of this node's speed it offers when limited
@@ -43,7 +46,7 @@ class Decision:
     state: str
     reason: str | None
     since: float  # when this state began
-    cause: str = ""  # what the reason is about: lid, hours, battery, heat, user, load
+    cause: str = ""  # what the reason is about: lid, hours, battery, heat, user, load, gpu
     latches: frozenset[str] = field(default_factory=frozenset)  # causes held by their low marks
 
 
@@ -92,6 +95,9 @@ def _wants(prev: Decision | None, r: Readings, s: ThrottleSettings, clock: Clock
     cpu = r.foreground_cpu
     if cpu is not None and s.cpu_high is not None and (cpu >= s.cpu_high or ("load" in latched and cpu > s.cpu_low)):
         out.append((LIMITED, "load", f"other programs use {cpu * 100:.0f}% CPU"))
+    gpu = r.foreground_gpu
+    if gpu is not None and s.gpu_high is not None and (gpu >= s.gpu_high or ("gpu" in latched and gpu > s.gpu_low)):
+        out.append((LIMITED, "gpu", f"other programs use {gpu * 100:.0f}% of the GPU"))
     return out
 
 
@@ -101,7 +107,7 @@ def decide(prev: Decision | None, r: Readings, s: ThrottleSettings, now: float, 
         wants: list[tuple[str, str, str]] = []
     else:
         wants = _wants(prev, r, s, clock)
-    latches = frozenset(c for _, c, _ in wants if c in ("heat", "load"))
+    latches = frozenset(c for _, c, _ in wants if c in LATCHED)
     if wants:
         state = max((w[0] for w in wants), key=RANK.__getitem__)
         cause, reason = next((c, why) for st, c, why in wants if st == state)

@@ -1,10 +1,11 @@
 """All the probes together: one :class:`Readings` a call.
 
 The idle time is read on every call (it is what must react within a second); temperature,
-battery, lid, lock and foreground load at most every ``slow_s``. ``LAKESHARD_FAKE_SENSORS``
-names a JSON file whose keys (``idle_s``, ``temp_c``, ``on_battery``, ``battery_pct``,
-``foreground_cpu``, ``lid_closed``, ``locked``) stand in for the hardware this machine lacks
-(a test's heat source, a battery); it is read again on every call, and announced in the log.
+battery, lid, lock and foreground load (CPU and GPU) at most every ``slow_s``.
+``LAKESHARD_FAKE_SENSORS`` names a JSON file whose keys (``idle_s``, ``temp_c``, ``on_battery``,
+``battery_pct``, ``foreground_cpu``, ``foreground_gpu``, ``lid_closed``, ``locked``) stand in for
+the hardware this machine lacks (a test's heat source, a battery); it is read again on every
+call, and announced in the log.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
+from agent.throttle.gpu_load import GpuLoad
 from agent.throttle.idle import IdleProbe
 from agent.throttle.load import ForegroundLoad
 from agent.throttle.power import battery, lid_closed, screen_locked
@@ -51,6 +53,7 @@ class Probes:
         self.slow_s = slow_s
         self.idle = IdleProbe()
         self.load = ForegroundLoad()
+        self.gpu = GpuLoad()
         self._slow = Readings()
         self._slow_at = float("-inf")
         fake = os.environ.get(FAKE_ENV)
@@ -68,6 +71,7 @@ class Probes:
                 on_battery=on_battery,
                 battery_pct=pct,
                 foreground_cpu=self.load.read(),
+                foreground_gpu=self.gpu.read(),
                 lid_closed=lid_closed(),
                 locked=screen_locked(),
             )

@@ -12,6 +12,7 @@ class Readings:
     on_battery: bool | None = None
     battery_pct: float | None = None
     foreground_cpu: float | None = None  # other programs' share of all cores, 0..1
+    foreground_gpu: float | None = None  # other programs' share of the busiest GPU engine, 0..1
     lid_closed: bool | None = None
     locked: bool | None = None  # the screen is locked (its user is away)
 
@@ -23,6 +24,7 @@ class Readings:
             "on_battery": self.on_battery,
             "battery_pct": None if self.battery_pct is None else round(self.battery_pct),
             "foreground_cpu": None if self.foreground_cpu is None else round(self.foreground_cpu, 3),
+            "foreground_gpu": None if self.foreground_gpu is None else round(self.foreground_gpu, 3),
             "lid_closed": self.lid_closed,
             "locked": self.locked,
         }

@@ -9,6 +9,8 @@ throttle:
   battery_floor_pct: 30    # below this charge: paused whatever on_battery says
   cpu_high_pct: 60         # other programs using this much of all cores: limited (off: never) ...
   cpu_low_pct: 30          # ... until at or below this
+  gpu_high_pct: 50         # other programs keeping a GPU engine this busy: limited (off: never) ...
+  gpu_low_pct: 20          # ... until at or below this
   hours: "08:00-19:00"     # contribute only in these hours (may wrap midnight) ...
   days: [mon, tue, wed, thu, fri]   # ... on these days
   limited_share: 0.5       # what a limited node offers of its speed (threads at its next stage)
@@ -35,6 +37,8 @@ KNOWN = {
     "battery_floor_pct",
     "cpu_high_pct",
     "cpu_low_pct",
+    "gpu_high_pct",
+    "gpu_low_pct",
     "hours",
     "days",
     "limited_share",
@@ -51,6 +55,12 @@ def _num(d: dict[str, Any], key: str, default: float, lo: float, hi: float) -> f
     if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
         raise ThrottleSettingsError(f"throttle.{key}: {v!r} must be a number from {lo:g} to {hi:g}")
     return float(v)
+
+
+def _high_mark(d: dict[str, Any], key: str, default: float) -> float | None:
+    """A load's high mark in percent, or None for ``off`` (``false``); 0 is out of range, not off."""
+    v = d.get(key)
+    return None if v == "off" or v is False else _num(d, key, default, 1, 100)
 
 
 def _mode(d: dict[str, Any], key: str, default: str) -> str:
@@ -96,11 +106,14 @@ def parse_throttle(d: Any) -> ThrottleSettings:
     high, low = _num(d, "temp_high_c", 90, 30, 130), _num(d, "temp_low_c", 80, 20, 130)
     if low >= high:
         raise ThrottleSettingsError(f"throttle.temp_low_c: {low:g} must be below temp_high_c ({high:g})")
-    load_rule = d.get("cpu_high_pct") not in ("off", False)
-    cpu_high = _num(d, "cpu_high_pct", 60, 1, 100) if load_rule else None
+    cpu_high = _high_mark(d, "cpu_high_pct", 60)
     cpu_low = _num(d, "cpu_low_pct", 30, 0, 100)
     if cpu_high is not None and cpu_low >= cpu_high:
         raise ThrottleSettingsError(f"throttle.cpu_low_pct: {cpu_low:g} must be below cpu_high_pct ({cpu_high:g})")
+    gpu_high = _high_mark(d, "gpu_high_pct", 50)
+    gpu_low = _num(d, "gpu_low_pct", 20, 0, 100)
+    if gpu_high is not None and gpu_low >= gpu_high:
+        raise ThrottleSettingsError(f"throttle.gpu_low_pct: {gpu_low:g} must be below gpu_high_pct ({gpu_high:g})")
     return ThrottleSettings(
         enabled=enabled,
         idle_minutes=_num(d, "idle_minutes", 2, 0, 24 * 60),
@@ -111,6 +124,8 @@ def parse_throttle(d: Any) -> ThrottleSettings:
         battery_floor_pct=_num(d, "battery_floor_pct", 30, 0, 100),
         cpu_high=None if cpu_high is None else cpu_high / 100,
         cpu_low=cpu_low / 100,
+        gpu_high=None if gpu_high is None else gpu_high / 100,
+        gpu_low=gpu_low / 100,
         hours=parse_hours(d.get("hours")),
         days=parse_days(d.get("days")),
         limited_share=_num(d, "limited_share", 0.5, 0.05, 1.0),
