@@ -113,10 +113,14 @@ class StageHost:
             raise ProtocolError("stale_term", f"assignment of term {msg.term} refused: term {self.term_seen} seen")
         # only a good assignment moves the term on: a bad one leaves the agent as it was
         self.term_seen = msg.term
+        # swapped on the compute thread, between two frames: none sees half a swap
+        await self.compute.async_run(self._install, stage, msg)
+        return Assigned(term=msg.term, stage=msg.stage, device=stage.device, compile_s=time.monotonic() - t0)
+
+    def _install(self, stage: Stage, msg: Assign) -> None:
         self.stage, self.assignment = stage, msg
         self.streams.clear()
         self._free.clear()
-        return Assigned(term=msg.term, stage=msg.stage, device=stage.device, compile_s=time.monotonic() - t0)
 
     def _compile(self, stage_dir: Path, exact: bool) -> Stage:
         return Stage(stage_dir, device=self.device, threads=self.threads, exact=exact)
@@ -229,8 +233,11 @@ class StageHost:
         if self.paused is not None:  # its streams move to the other nodes (the coordinator replays them)
             raise ProtocolError("paused", f"this node is paused ({self.paused})", fwd.stream, fwd.seq)
         stage, a = self.stage, self.assignment
-        assert stage is not None and a is not None
         try:
+            # the term is checked again here: a new assignment may have replaced the stage
+            # between the frame's arrival (checked on the event loop) and its turn on this thread
+            self.check_term(fwd.term)
+            assert stage is not None and a is not None
             if stage.first:
                 if fwd.dtype not in ("i32", "i64"):
                     raise ProtocolError("bad_dtype", f"stage 0 takes token ids (i32/i64), not {fwd.dtype}")
@@ -346,9 +353,14 @@ class StageHost:
     def head_part(self, msg: Head, payload: memoryview) -> HeadTop:
         """Stage 0's rows of the vocabulary head for a last stage's step (on the compute thread)."""
         stage = self.stage
-        assert stage is not None
         if self.paused is not None:
             raise ProtocolError("paused", f"this node is paused ({self.paused})", msg.stream, msg.seq)
+        try:
+            self.check_term(msg.term)  # the stage may have been re-assigned since the frame came
+        except ProtocolError as e:
+            e.stream, e.seq = msg.stream, msg.seq
+            raise
+        assert stage is not None
         if stage.head_rows is None or not stage.first:
             raise ProtocolError("no_head_part", "this stage holds no part of the vocabulary head", msg.stream, msg.seq)
         hidden = tensor(msg, payload, stage.hidden_size)

@@ -148,7 +148,9 @@ class Scheduler:
                         yield tok
                     return
                 except PipelineError as e:
-                    if self.recover is None or e.code not in RECOVERABLE or attempt == MAX_RECOVERIES:
+                    # any error of a pipeline already replaced (a re-plan) is a reason to move on
+                    moved = self.pipeline is not pipeline
+                    if self.recover is None or not (moved or e.code in RECOVERABLE) or attempt == MAX_RECOVERIES:
                         raise
                     log.warning("generation paused after %d tokens (%s); recovering", len(emitted), e)
                     await self.recover(pipeline)

@@ -2,7 +2,7 @@
 # How the README's GPU table was measured on the lent device machine (an NVIDIA H200 that
 # OpenVINO's GPU plugin sees through PoCL). Carried there: OpenVINO and friends (cp312 wheels,
 # unpacked to .carry/site) and the smollm2-135m model store entry (.carry/models).
-#   docs/bench/gpu_run.sh setup | tests | parity | pipeline | spec   (several in one call)
+#   docs/bench/gpu_run.sh setup | extra | model | tests | parity | pipeline | spec   (several in one call)
 # Logs and JSON lines go to $OUT (or ./gpu_out).
 set -u
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
@@ -15,7 +15,10 @@ for phase in "$@"; do
     setup)
       python3 -c "import tarfile; tarfile.open('.carry/a/site.tar.xz').extractall('.carry', filter='data')"
       mkdir -p .carry/models && cp -r .carry/a/smollm2-135m .carry/models/
-      python3 -c "import openvino as ov, aiohttp, zeroconf, msgpack, nncf, transformers, torch; c=ov.Core(); print(ov.__version__, c.available_devices, [c.get_property(d,'FULL_DEVICE_NAME') for d in c.available_devices])" ;;
+      python3 -c "import openvino as ov; c=ov.Core(); print(ov.__version__, c.available_devices, [c.get_property(d,'FULL_DEVICE_NAME') for d in c.available_devices])" ;;
+    extra)  # pure-Python packages the machine may lack (nncf, zeroconf, platformdirs ...), in .carry/b
+      python3 -c "import tarfile; tarfile.open('.carry/b/extra.tar.xz').extractall('.carry/site', filter='data')"
+      python3 -c "import openvino as ov, openvino_genai, aiohttp, zeroconf, msgpack, nncf, transformers, torch, platformdirs, jinja2, tqdm, tokenizers, sentencepiece; print('transformers', transformers.__version__, 'torch', torch.__version__)" ;;
     model)
       cat .carry/a/gguf.aa .carry/b/gguf.ab .carry/b/gguf.ac .carry/c/gguf.ad > .carry/models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
       sha256sum .carry/models/smollm2-135m/*.gguf ;;
