@@ -2,6 +2,10 @@
 
 Speed scores come from a short MatMul micro-benchmark (GFLOP/s) and are cached per device under a fingerprint
 of the hardware, driver and OpenVINO version, so they are re-measured only when one of those changes.
+
+Each device a stage can run on (the CPU and the GPUs: stage IRs are dynamic-shaped, which the NPU does
+not run as-is) is offered with its own memory figure: a discrete GPU its own memory, everything else
+(the CPU, an integrated GPU, which shares the system's RAM) the system's available memory.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import logging
 import os
 import platform
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -22,12 +27,15 @@ import psutil
 from openvino import opset13 as ops
 
 from agent import paths
+from agent.protocol.control import DeviceOffer
+from agent.runtime.device import DeviceError, pick_device
 
 log = logging.getLogger(__name__)
 
 CACHE_VERSION = 1
 _DRIVER_PROPS = ("DRIVER_VERSION", "GPU_DRIVER_VERSION", "NPU_DRIVER_VERSION")
 _BATCH, _WIDTH, _LAYERS = 8, 1024, 4
+STAGE_KINDS = ("CPU", "GPU")  # what AUTO offers: devices that run dynamic-shaped stage IRs
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,86 @@ class DeviceInfo:
     driver: str
     score: float
     error: str = ""
+    mem_total: int = 0
+    mem_free: int = 0
+    own_memory: bool = False  # a discrete GPU: its memory is its own, not the system's
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    total: int
+    free: int
+    own: bool
+
+
+def device_memory(
+    kind: str,
+    device_type: str,
+    total: int | None,
+    stats: Mapping[str, Any] | None,
+    system_total: int,
+    system_free: int,
+) -> DeviceMemory:
+    """A device's memory from its OpenVINO properties (pure).
+
+    A GPU whose ``DEVICE_TYPE`` reads as discrete has memory of its own: ``GPU_DEVICE_TOTAL_MEM_SIZE``
+    less what ``GPU_MEMORY_STATISTICS`` counts as allocated (floored at 0); a discrete GPU that does
+    not report its size offers nothing (0), rather than the system's RAM it cannot use. Everything
+    else (the CPU, an integrated GPU) offers the system's memory.
+    """
+    if kind.upper() == "GPU" and device_type.strip().upper().endswith("DISCRETE"):
+        if not total or total <= 0:
+            return DeviceMemory(0, 0, True)
+        used = sum(int(v) for v in (stats or {}).values() if isinstance(v, int | float) and not isinstance(v, bool))
+        return DeviceMemory(int(total), max(0, int(total) - used), True)
+    return DeviceMemory(system_total, system_free, False)
+
+
+def _int_prop(core: ov.Core, device: str, name: str) -> int | None:
+    try:
+        v = core.get_property(device, name)
+    except Exception:
+        return None
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _stats_prop(core: ov.Core, device: str) -> dict[str, Any]:
+    try:
+        v = core.get_property(device, "GPU_MEMORY_STATISTICS")
+    except Exception:
+        return {}
+    return dict(v) if isinstance(v, Mapping) else {}
+
+
+def query_memory(core: ov.Core, device: str) -> DeviceMemory:
+    """:func:`device_memory` from ``core``'s properties of ``device``, read now (missing ones tolerated)."""
+    vm = psutil.virtual_memory()
+    kind = device.split(".", 1)[0].upper()
+    if kind != "GPU":
+        return DeviceMemory(int(vm.total), int(vm.available), False)
+    dtype = _prop(core, device, "DEVICE_TYPE")
+    own = dtype.upper().endswith("DISCRETE")
+    return device_memory(
+        kind,
+        dtype,
+        _int_prop(core, device, "GPU_DEVICE_TOTAL_MEM_SIZE") if own else None,
+        _stats_prop(core, device) if own else None,
+        int(vm.total),
+        int(vm.available),
+    )
+
+
+def offered_devices(requested: str, available: Sequence[str]) -> list[str]:
+    """The devices this agent offers (pure): for AUTO every CPU and GPU OpenVINO lists (not the
+    NPU: stage IRs are dynamic-shaped); for a pinned device (``CPU``, ``GPU``, ``GPU.1``) only that
+    one, as :func:`agent.runtime.device.pick_device` names it. Raises DeviceError if it is absent."""
+    req = (requested or "AUTO").strip().upper()
+    if req == "AUTO":
+        return [d for d in available if d.split(".", 1)[0].upper() in STAGE_KINDS]
+    return [pick_device(req, list(available))]
 
 
 @dataclass(frozen=True)
@@ -57,6 +145,14 @@ class Capacity:
         d["devices"] = [asdict(x) for x in self.devices]
         d["kinds"] = self.kinds()
         return d
+
+    def offers(self) -> tuple[DeviceOffer, ...]:
+        """What this node offers the planner, one entry per device that measured without error."""
+        return tuple(
+            DeviceOffer(d.name, round(d.score, 3), d.mem_free, d.own_memory)
+            for d in self.devices
+            if not d.error and d.score > 0
+        )
 
 
 def free_memory() -> int:
@@ -161,11 +257,23 @@ def probe(
     refresh: bool = False,
     bench_seconds: float = 0.3,
     devices: list[str] | None = None,
+    requested: str = "AUTO",
 ) -> Capacity:
-    """Describe this machine. Speed scores are reused from the cache when the device fingerprint matches."""
+    """Describe this machine. Speed scores are reused from the cache when the device fingerprint matches.
+
+    ``requested`` is the agent's --device: AUTO measures every device a stage can run on, a pinned
+    device only that one (a device that is not there: none). ``devices`` names them outright (tests).
+    """
     path = cache_file if cache_file is not None else paths.cache_dir() / "capacity.json"
     core = ov.Core()
-    names = list(devices) if devices is not None else list(core.available_devices)
+    if devices is not None:
+        names = list(devices)
+    else:
+        try:
+            names = offered_devices(requested, list(core.available_devices))
+        except DeviceError as e:
+            log.warning("nothing to offer: %s", e)
+            names = []
     cache = _load_cache(path)
     infos: list[DeviceInfo] = []
     dirty = False
@@ -191,7 +299,8 @@ def probe(
                 }
                 dirty = True
         kind = name.split(".", 1)[0].upper()
-        infos.append(DeviceInfo(name, kind, full_name, driver, score, error))
+        mem = query_memory(core, name)
+        infos.append(DeviceInfo(name, kind, full_name, driver, score, error, mem.total, mem.free, mem.own))
     if dirty:
         try:
             _write_cache(path, cache)

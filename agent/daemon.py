@@ -180,20 +180,45 @@ class AgentDaemon:
         from agent import capacity
 
         try:
-            cap = await asyncio.to_thread(capacity.probe)
+            cap = await asyncio.to_thread(capacity.probe, requested=self.opts.device)
         except Exception as e:
             log.warning("capacity probe failed: %s", e)
             return
         self.capacity = cap.to_dict()
+        self.me.offers = cap.offers()
         self.me.score = cap.speed_score
         self.me.devices = tuple(cap.kinds()) or ("CPU",)
-        log.info("capacity: %s, speed %.1f GFLOP/s on %s", ",".join(self.me.devices), cap.speed_score, cap.best_device)
+        log.info(
+            "capacity: %s",
+            ", ".join(f"{o.name} {o.score:.1f} GFLOP/s, {o.mem_free / 2**30:.1f} GB free" for o in self.me.offers)
+            or "no device measured",
+        )
+
+    async def _refresh_device_memory(self) -> None:
+        """Re-read the free memory of devices that have their own (a discrete GPU: a property read on
+        the Core the stage runs on); the others offer the system's figure, read fresh for every beat."""
+        if not any(o.own_memory for o in self.me.offers):
+            return
+        from agent import capacity
+        from agent.runtime.device import core
+
+        def read() -> dict[str, int]:
+            c = core()
+            return {o.name: capacity.query_memory(c, o.name).free for o in self.me.offers if o.own_memory}
+
+        try:
+            free = await asyncio.to_thread(read)
+        except Exception as e:
+            log.debug("device memory not read: %s", e)
+            return
+        self.me.offers = tuple(replace(o, mem_free=free.get(o.name, o.mem_free)) for o in self.me.offers)
 
     async def _refresh(self) -> None:
         """Keep what we offer current; re-advertise over mDNS when it changed noticeably."""
         while True:
             await asyncio.sleep(1.0)
             self._measure()
+            await self._refresh_device_memory()
             self.contrib.expire()
             if self.discovery is None:
                 continue
@@ -273,20 +298,21 @@ class AgentDaemon:
         e = self.elector
         assert e is not None
         me = self.me
+        here = f"{self._my_ip()}:{me.port}"
+        mem = min(me.mem_free(), me.mem_total)
         out = [
-            Member(
-                NodeOffer(me.node, me.mem_free(), max(me.score, 1.0), me.state),
-                f"{self._my_ip()}:{me.port}",
-                me.score > 0,
-            )
-        ]
+            Member(NodeOffer(me.node, o.mem_free, max(o.score, 1.0), me.state, o.name), here, me.score > 0)
+            for o in me.device_offers(mem)
+        ] or [Member(NodeOffer(me.node, mem, max(me.score, 1.0), me.state), here, me.score > 0)]
         now = time.monotonic()
         for p in e.peers.values():
             b = p.beat
             if b is None or now - p.last_heard >= e.timing.peer_timeout_s:
                 continue
-            offer = NodeOffer(p.node, b.mem_free, max(b.score, 1.0), b.state)
-            out.append(Member(offer, f"{p.addr[0]}:{b.port}", b.score > 0))
+            there = f"{p.addr[0]}:{b.port}"
+            offers = [NodeOffer(p.node, o.mem_free, max(o.score, 1.0), b.state, o.name) for o in b.offers]
+            for offer in offers or [NodeOffer(p.node, b.mem_free, max(b.score, 1.0), b.state)]:
+                out.append(Member(offer, there, b.score > 0))
         return out
 
     def node_infos(self) -> list[NodeInfo]:
@@ -408,6 +434,10 @@ class AgentDaemon:
             "mem_free": self.me.mem_free(),
             "speed_score": self.me.score,
             "devices": list(self.me.devices),
+            "devices_detail": [
+                {"name": o.name, "score": o.score, "mem_free": o.mem_free, "own_memory": o.own_memory}
+                for o in self.me.device_offers(min(self.me.mem_free(), self.me.mem_total))
+            ],
             "capacity": self.capacity,
             "stage": self.host.status(),
             "log_dir": str(log_dir()),

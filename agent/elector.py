@@ -15,7 +15,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from agent.config import Settings
@@ -35,7 +35,7 @@ from agent.election import (
     yields_to,
 )
 from agent.identity import TermStore
-from agent.protocol import Ack, Beat, Message, ProtocolError, Vote, VoteRequest, decode, encode
+from agent.protocol import Ack, Beat, DeviceOffer, Message, ProtocolError, Vote, VoteRequest, decode, encode
 
 log = logging.getLogger(__name__)
 TICK_S = 0.05
@@ -60,6 +60,13 @@ class LocalNode:
     temp_c: float | None = None
     tok_s: float = 0.0
     next_rtt_ms: float | None = None
+    # each device it offers (capacity probe); a shared-memory device's mem_free is replaced by the
+    # node's fresh figure in every beat, an own-memory device's (a discrete GPU) the daemon keeps current
+    offers: tuple[DeviceOffer, ...] = ()
+
+    def device_offers(self, mem_free: int) -> tuple[DeviceOffer, ...]:
+        """The offers as beats carry them: shared-memory devices with ``mem_free``, the node's figure."""
+        return tuple(o if o.own_memory else replace(o, mem_free=mem_free) for o in self.offers)
 
 
 @dataclass
@@ -252,6 +259,7 @@ class Elector:
         st, ts = self.standing(), self.store.state
         now = time.monotonic()
         alive_followers = sum(1 for t in self.followers.values() if now - t < self.timing.peer_timeout_s)
+        mem_free = min(st.mem_free, self.me.mem_total)
         beat = Beat(
             cluster=self.me.cluster,
             node=self.me.node,
@@ -262,7 +270,7 @@ class Elector:
             state=self.me.state,
             eligible=st.eligible,
             score=self.me.score,
-            mem_free=min(st.mem_free, self.me.mem_total),
+            mem_free=mem_free,
             mem_total=self.me.mem_total,
             devices=self.me.devices,
             version=self.me.version,
@@ -272,6 +280,7 @@ class Elector:
             temp_c=self.me.temp_c,
             tok_s=self.me.tok_s,
             next_rtt_ms=self.me.next_rtt_ms,
+            offers=self.me.device_offers(mem_free),
         )
         self._beat_sent = now if self.role is Role.COORDINATOR else None
         for addr in self._targets():
@@ -470,6 +479,12 @@ class Elector:
                     "score": b.score if b else None,
                     "mem_free": b.mem_free if b else None,
                     "devices": list(b.devices) if b else [],
+                    "offers": [
+                        {"name": o.name, "score": o.score, "mem_free": o.mem_free, "own_memory": o.own_memory}
+                        for o in b.offers
+                    ]
+                    if b
+                    else [],
                     "version": b.version if b else None,
                     "name": b.name if b else None,
                     "reason": b.reason if b else None,

@@ -26,6 +26,7 @@ from agent.compute import ComputeThread
 from agent.hashing import sha256_file
 from agent.paths import cache_dir
 from agent.protocol import Assign, Assigned, Fwd, Head, HeadTop, Ids, Message, ProtocolError, tensor
+from agent.runtime.device import DeviceError, assigned_device, choose_device
 from agent.runtime.sampling import Sampling, choose_token
 from agent.runtime.stage import Stage, StageError, Stream
 
@@ -105,8 +106,16 @@ class StageHost:
         if msg.term < self.term_seen:
             raise ProtocolError("stale_term", f"assignment of term {msg.term} refused: term {self.term_seen} seen")
         t0 = time.monotonic()
+        try:  # the device first: a stage this agent cannot run is refused before any download
+            device = assigned_device(self.device, msg.device)
+            await self.compute.async_run(choose_device, device)
+        except DeviceError as e:
+            raise ProtocolError("bad_device", str(e)) from None
         stage_dir = await self._artifacts(msg)
-        stage = await self.compute.async_run(self._compile, stage_dir, msg.exact)
+        try:
+            stage = await self.compute.async_run(self._compile, stage_dir, msg.exact, device)
+        except DeviceError as e:
+            raise ProtocolError("bad_device", str(e)) from None
         if stage.index != msg.stage or stage.count != msg.stages:
             raise ProtocolError("bad_artifact", f"artifacts are stage {stage.index}/{stage.count}, not {msg.stage}")
         if msg.term < self.term_seen:  # a newer coordinator assigned meanwhile
@@ -122,8 +131,8 @@ class StageHost:
         self.streams.clear()
         self._free.clear()
 
-    def _compile(self, stage_dir: Path, exact: bool) -> Stage:
-        return Stage(stage_dir, device=self.device, threads=self.threads, exact=exact)
+    def _compile(self, stage_dir: Path, exact: bool, device: str | None = None) -> Stage:
+        return Stage(stage_dir, device=device or self.device, threads=self.threads, exact=exact)
 
     async def _artifacts(self, msg: Assign) -> Path:
         """The stage's files: shared on disk if they match, else fetched over HTTP and verified."""

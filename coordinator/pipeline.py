@@ -60,6 +60,7 @@ def run_token(item: tuple[int, ...] | PipelineError) -> int:
 class StagePlacement:
     node: str  # host:port of the agent
     stage_dir: Path
+    device: str | None = None  # the device the planner chose on that agent (None: the agent's own)
 
 
 class Pipeline:
@@ -135,6 +136,7 @@ class Pipeline:
                 link_delay_ms=self.link_delay_ms,
                 link_mbps=self.link_mbps,
                 loop_hop=f"ws://{self.placements[0].node}/ws" if i == n - 1 and n > 1 else None,
+                device=p.device,
             )
             reply: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
             self._replies[i] = reply

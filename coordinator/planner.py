@@ -107,12 +107,17 @@ BYTES_PER_WEIGHT = {"fp32": 4.0, "fp16": 2.0, "int8": 1.06, "int4": 0.56}  # sca
 
 @dataclass(frozen=True)
 class NodeOffer:
-    """What a node offers the planner: free memory, measured speed and throttle state."""
+    """What one device of a node offers the planner: free memory, measured speed and throttle state.
+
+    A node offers one per device (its CPU, its GPU); an agent that does not say per device
+    (an older one) offers one for the whole node, with ``device`` empty.
+    """
 
     node: str
     mem_free: int
     speed: float  # GFLOP/s from the capacity probe
     state: str = "available"  # limited: counted at half speed; paused: not used
+    device: str = ""  # the OpenVINO device (CPU, GPU, GPU.1); "": the agent's own choice
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,7 @@ class StagePlan:
     end: int
     mem_bytes: int
     seconds: float  # predicted compute per token
+    device: str = ""  # the device of the node's offer it runs on ("": the agent's own choice)
 
 
 @dataclass(frozen=True)
@@ -182,29 +188,72 @@ class Plan:
         return [s.node for s in self.stages]
 
 
-def _split(fp: Footprint, order: Sequence[NodeOffer], speeds: Sequence[float]) -> Plan | None:
-    """Best contiguous split over ``order`` (one stage each) within memory; None if it cannot fit."""
+@dataclass(frozen=True)
+class _Node:
+    """One node as the planner sees it: its devices' offers, fastest first (ties: more memory)."""
+
+    name: str
+    devices: tuple[NodeOffer, ...]
+    factor: float  # 0.5 when limited (counted at half speed)
+
+    @property
+    def speed(self) -> float:
+        return self.devices[0].speed * self.factor
+
+    @property
+    def mem_free(self) -> int:
+        return max(d.mem_free for d in self.devices)
+
+    def fitting(self, need: int) -> NodeOffer | None:
+        """The fastest device with ``need`` bytes free (None: none has)."""
+        return next((d for d in self.devices if d.mem_free >= need), None)
+
+
+def _nodes(offers: Sequence[NodeOffer]) -> list[_Node]:
+    """The offers grouped by node, in the nodes' first-seen order."""
+    by: dict[str, list[NodeOffer]] = {}
+    for o in offers:
+        by.setdefault(o.node, []).append(o)
+    return [
+        _Node(n, tuple(sorted(ds, key=lambda d: (-d.speed, -d.mem_free, d.device))), _factor(ds))
+        for n, ds in by.items()
+    ]
+
+
+def _factor(devices: Sequence[NodeOffer]) -> float:
+    return 0.5 if any(d.state == "limited" for d in devices) else 1.0
+
+
+def _split(fp: Footprint, order: Sequence[_Node]) -> Plan | None:
+    """Best contiguous split over ``order`` (one stage each, on the fastest of its node's devices
+    that holds it) within memory; None if it cannot fit."""
     n, k = fp.costs.n_layers, len(order)
     inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(k + 1)]
     cut = [[0] * (n + 1) for _ in range(k + 1)]
+    on: list[list[NodeOffer | None]] = [[None] * (n + 1) for _ in range(k + 1)]
     best[0][0] = 0.0
     for s in range(1, k + 1):
+        node = order[s - 1]
         for e in range(s, n - (k - s) + 1):
             for b in range(s - 1, e):
-                if best[s - 1][b] == inf or fp.stage_bytes(b, e) > order[s - 1].mem_free:
+                if best[s - 1][b] == inf:
                     continue
-                t = max(best[s - 1][b], 2 * fp.costs.stage_cost(b, e) / (speeds[s - 1] * 1e9))
+                d = node.fitting(fp.stage_bytes(b, e))
+                if d is None:
+                    continue
+                t = max(best[s - 1][b], 2 * fp.costs.stage_cost(b, e) / (d.speed * node.factor * 1e9))
                 if t < best[s][e] - 1e-15:
-                    best[s][e], cut[s][e] = t, b
+                    best[s][e], cut[s][e], on[s][e] = t, b, d
     if best[k][n] == inf:
         return None
     stages: list[StagePlan] = []
     e = n
     for s in range(k, 0, -1):
-        b = cut[s][e]
-        secs = 2 * fp.costs.stage_cost(b, e) / (speeds[s - 1] * 1e9)
-        stages.append(StagePlan(order[s - 1].node, b, e, fp.stage_bytes(b, e), secs))
+        b, d = cut[s][e], on[s][e]
+        assert d is not None
+        secs = 2 * fp.costs.stage_cost(b, e) / (d.speed * order[s - 1].factor * 1e9)
+        stages.append(StagePlan(d.node, b, e, fp.stage_bytes(b, e), secs, d.device))
         e = b
     stages.reverse()
     return Plan(tuple(stages), best[k][n], sum(x.seconds for x in stages))
@@ -230,35 +279,57 @@ def plan_pipeline(
     noise of the nodes' speed probes), one that gives it the first stage, so that the
     coordinator's frames reach stage 0 without a network hop (a speculative round then
     crosses the network as often as a plain token round the ring).
+
+    A node may offer several devices (one offer each: its CPU, its GPU); each node gets at
+    most one stage, on one of them, named in ``StagePlan.device``: the fastest of its devices
+    whose free memory holds that stage (of devices as fast, the one with more memory). So a
+    discrete GPU too small for the stage a split would give its node leaves that stage to the
+    node's CPU and the system's RAM, and the split is chosen knowing it. Two stages on two
+    devices of one node are not planned: an agent hosts one stage, and on a laptop the
+    integrated GPU and the CPU share one memory bus, so decoding, which is bound by memory
+    bandwidth, gains little from splitting across them.
     """
-    usable = [o for o in offers if o.state != "paused" and o.speed > 0 and o.mem_free > 0]
+    usable = _nodes([o for o in offers if o.state != "paused" and o.speed > 0 and o.mem_free > 0])
     if not usable:
         raise PlanError("no node is available (all paused or unknown)")
-    offered = sum(o.mem_free for o in usable)
-    usable.sort(key=lambda o: (-o.speed * (0.5 if o.state == "limited" else 1.0), -o.mem_free, o.node != home, o.node))
+    plan = _plan_over(fp, usable, streams=streams, hop_s=hop_s, gain=gain, home=home)
+    if plan is not None:
+        return plan
+    need = fp.total_bytes(1)
+    offered = sum(x.mem_free for x in usable)  # a node's roomiest device: the CPU and an iGPU share one RAM
+    raise PlanError(
+        f"needs {need / GIB:.1f} GB, cluster offers {offered / GIB:.1f} GB over {len(usable)} node(s)"
+        + ("" if offered < need else " but no contiguous split fits the nodes' memory")
+    )
+
+
+def _plan_over(
+    fp: Footprint, nodes: Sequence[_Node], *, streams: int, hop_s: float, gain: float, home: str | None
+) -> Plan | None:
+    """:func:`plan_pipeline` over ``nodes``; None when nothing fits."""
+    usable = sorted(nodes, key=lambda o: (-o.speed, -o.mem_free, o.name != home, o.name))
     best: tuple[float, Plan] | None = None
     for k in range(1, min(len(usable), fp.costs.n_layers) + 1):
         chosen = usable[:k]
         orders = (
             itertools.permutations(chosen)
             if k <= 5
-            else iter([tuple(chosen), tuple(sorted(chosen, key=lambda o: o.node != home))])
+            else iter([tuple(chosen), tuple(sorted(chosen, key=lambda o: o.name != home))])
         )
         found: Plan | None = None
         homed: Plan | None = None  # the best plan with the coordinator's node first
-        tried: set[tuple[tuple[float, int, str, bool], ...]] = set()
+        tried: set[tuple[tuple[tuple[tuple[float, int], ...], float, bool], ...]] = set()
         for order in orders:
-            sig = tuple((o.speed, o.mem_free, o.state, o.node == home) for o in order)
+            sig = tuple((tuple((d.speed, d.mem_free) for d in o.devices), o.factor, o.name == home) for o in order)
             if sig in tried:  # nodes alike: the same split
                 continue
             tried.add(sig)
-            speeds = [o.speed * (0.5 if o.state == "limited" else 1.0) for o in order]
-            p = _split(fp, order, speeds)
+            p = _split(fp, order)
             if p is None:
                 continue
             if found is None or p.bottleneck_s < found.bottleneck_s - 1e-15:
                 found = p
-            if order[0].node == home and (homed is None or p.bottleneck_s < homed.bottleneck_s - 1e-15):
+            if order[0].name == home and (homed is None or p.bottleneck_s < homed.bottleneck_s - 1e-15):
                 homed = p
         if found is None:
             continue
@@ -268,10 +339,4 @@ def plan_pipeline(
         score = max(found.bottleneck_s, cycle / max(1, streams))
         if best is None or score < best[0] * (1 - gain):
             best = (score, Plan(found.stages, found.bottleneck_s, cycle))
-    if best is None:
-        need = fp.total_bytes(1)
-        raise PlanError(
-            f"needs {need / GIB:.1f} GB, cluster offers {offered / GIB:.1f} GB over {len(usable)} node(s)"
-            + ("" if offered < need else " but no contiguous split fits the nodes' memory")
-        )
-    return best[1]
+    return None if best is None else best[1]

@@ -94,7 +94,7 @@ class CoordinatorRole:
             self.plan = plan_pipeline(fp, [m.offer for m in members], streams=self.streams, home=self._home(members))
             self.addresses = {m.offer.node: m.address for m in members}
             nodes = [self.addresses[n] for n in self.plan.nodes]
-            log.info("plan: %s", ", ".join(f"{s.node} layers {s.start}..{s.end - 1}" for s in self.plan.stages))
+            log.info("plan: %s", _describe(self.plan))
             self.state = "assigning"
             host = self.my_address.rpartition(":")[0]
             cfg = ServeConfig(
@@ -117,6 +117,7 @@ class CoordinatorRole:
             )
             self.coordinator = Coordinator(cfg)
             self.coordinator.node_ids = {a: n for n, a in self.addresses.items()}
+            self.coordinator.node_devices = _devices(self.plan, self.addresses)
             await self.coordinator.async_start()
             self.state = "serving"
             log.info("serving %s on %d node(s); API %s/v1", model.name, len(nodes), self.coordinator.api_url)
@@ -146,24 +147,28 @@ class CoordinatorRole:
                 log.warning("membership changed but no plan fits: %s", e)
                 continue
             self.addresses.update({m.offer.node: m.address for m in members})
-            if self._running() == ([self.addresses[n] for n in plan.nodes], list(plan.ranges)):
+            devices = _devices(plan, self.addresses)
+            want = [self.addresses[n] for n in plan.nodes]
+            if self._running() == (want, list(plan.ranges), [devices.get(a) for a in want]):
                 self.plan = plan  # a failover (a node lost or paused) already moved there
                 continue
             self.coordinator.node_ids.update({a: n for n, a in self.addresses.items()})
-            log.info("re-planning: %s", ", ".join(f"{s.node} layers {s.start}..{s.end - 1}" for s in plan.stages))
+            self.coordinator.node_devices = devices  # where the plan names no device, the agent chooses its own
+            log.info("re-planning: %s", _describe(plan))
             self.state = "re-planning"
             await self.coordinator.async_replan(
                 [self.addresses[n] for n in plan.nodes], [s.start for s in plan.stages[1:]]
             )
             self.plan, self.state = plan, "serving"
 
-    def _running(self) -> tuple[list[str], list[tuple[int, int]]]:
-        """The agents (addresses) and layer ranges the coordinator runs now."""
+    def _running(self) -> tuple[list[str], list[tuple[int, int]], list[str | None]]:
+        """The agents (addresses), layer ranges and devices the coordinator runs now."""
         c = self.coordinator
         if c is None or c.export is None:
-            return [], []
+            return [], [], []
         ranges = [(m["stage"]["layer_start"], m["stage"]["layer_end"]) for m in c.export.manifests]
-        return list(c.nodes), ranges
+        devices = [p.device for p in c.pipeline.placements] if c.pipeline is not None else []
+        return list(c.nodes), ranges, devices
 
     def _home(self, members: list[Member]) -> str | None:
         """This machine's node id, when its agent is among the members."""
@@ -224,7 +229,14 @@ class CoordinatorRole:
         stages = []
         if self.plan is not None:
             for s in self.plan.stages:
-                stages.append({"node": s.node, "address": self.addresses.get(s.node), "layers": [s.start, s.end]})
+                stages.append(
+                    {
+                        "node": s.node,
+                        "address": self.addresses.get(s.node),
+                        "layers": [s.start, s.end],
+                        "device": s.device or None,
+                    }
+                )
         return {
             "state": self.state,
             "model": self.model_ref,
@@ -245,6 +257,17 @@ class CoordinatorRole:
         if self.coordinator is not None:
             await self.coordinator.async_stop()
             self.coordinator = None
+
+
+def _describe(plan: Plan) -> str:
+    return ", ".join(
+        f"{s.node}{f' ({s.device})' if s.device else ''} layers {s.start}..{s.end - 1}" for s in plan.stages
+    )
+
+
+def _devices(plan: Plan, addresses: dict[str, str]) -> dict[str, str]:
+    """Agent address -> the device the plan runs its stage on (stages that name one)."""
+    return {addresses[s.node]: s.device for s in plan.stages if s.device}
 
 
 def _membership(members: list[Member]) -> frozenset[tuple[str, str]]:

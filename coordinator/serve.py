@@ -157,6 +157,7 @@ class Coordinator:
         self.calibration = CalibrationStore()
         self.rebalances: list[dict[str, object]] = []
         self.node_ids: dict[str, str] = {}  # agent address -> node id, where the caller knows them
+        self.node_devices: dict[str, str] = {}  # agent address -> the device its stage runs on (the planner's)
         self.hub = cfg.events if cfg.events is not None else EventHub(self.cluster_view)
         self._own_hub = cfg.events is None
 
@@ -246,7 +247,10 @@ class Coordinator:
         export_id = hashlib.sha256(str(export.dir).encode()).hexdigest()[:16]
         self._exports[export_id] = export.stage_dirs()
         pipeline = Pipeline(
-            [StagePlacement(n, d) for n, d in zip(nodes, export.stage_dirs(), strict=True)],
+            [
+                StagePlacement(n, d, self.node_devices.get(n) or None)
+                for n, d in zip(nodes, export.stage_dirs(), strict=True)
+            ],
             export_id=export_id,
             return_url=f"ws://{self._host}:{self._data_port}/ring",
             artifacts_url=f"http://{self._host}:{self._data_port}/artifacts",

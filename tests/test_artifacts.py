@@ -7,11 +7,13 @@ import asyncio
 import hashlib
 import json
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
 
-from agent.protocol import Assign, Error, decode, encode
+from agent.protocol import Assign, Assigned, Error, Message, decode, encode
+from agent.runtime.device import available_devices
 from tests.conftest import PROMPTS, Served, chat
 
 
@@ -42,29 +44,54 @@ def test_agents_download_verify_and_cache_their_stage(smollm2, tmp_path: Path, w
             for name, info in man["files"].items():
                 assert hashlib.sha256((d / name).read_bytes()).hexdigest() == info["sha256"]
 
-        async def bad_assign() -> Error:
-            msg = Assign(
-                term=50,  # a newer term, but bad files: refused, and the term is not taken
-                export_id="x",
-                stage=0,
-                stages=2,
-                manifest_sha256="0" * 64,
-                artifacts_url="http://127.0.0.1:9/nothing",
-                local_dir=None,
-                next_hop="ws://127.0.0.1:9/ws",
-            )
+        async def assign(msg: Assign) -> Message:
             async with aiohttp.ClientSession() as s, s.ws_connect(f"http://{served.nodes[0]}/ws") as ws:
                 await ws.send_bytes(encode(msg))
-                err, _ = decode((await asyncio.wait_for(ws.receive(), 60)).data)
-                assert isinstance(err, Error)
-                return err
+                reply, _ = decode((await asyncio.wait_for(ws.receive(), 120)).data)
+                return reply
 
-        err = asyncio.run(bad_assign())
-        assert err.code == "bad_artifact"
+        bad = Assign(
+            term=50,  # a newer term, but bad files: refused, and the term is not taken
+            export_id="x",
+            stage=0,
+            stages=2,
+            manifest_sha256="0" * 64,
+            artifacts_url="http://127.0.0.1:9/nothing",
+            local_dir=None,
+            next_hop="ws://127.0.0.1:9/ws",
+        )
+        err = asyncio.run(assign(bad))
+        assert isinstance(err, Error) and err.code == "bad_artifact"
+        # a device this machine lacks (these agents run on AUTO): one clear line naming the devices seen
+        stage0 = next(d for d in cached if json.loads((d / "manifest.json").read_text())["stage"]["index"] == 0)
+        here = Assign(
+            term=51,
+            export_id="x",
+            stage=0,
+            stages=2,
+            manifest_sha256=hashlib.sha256((stage0 / "manifest.json").read_bytes()).hexdigest(),
+            artifacts_url="http://127.0.0.1:9/nothing",
+            local_dir=str(stage0),
+            next_hop=f"ws://{served.nodes[1]}/ws",
+            wire_dtype="f32",
+            exact=True,
+        )
+        seen = available_devices()
+        if not any(d.startswith("GPU") for d in seen):
+            err = asyncio.run(assign(replace(here, device="GPU")))
+            assert isinstance(err, Error) and err.code == "bad_device"
+            assert "'GPU' is not available" in err.message and err.message.endswith(", ".join(seen))
+            assert "\n" not in err.message
         with urllib.request.urlopen(f"http://{served.nodes[0]}/v1/node", timeout=10) as r:
             assert json.loads(r.read())["stage"]["term_seen"] == 1
         # the agent kept its stage: the pipeline still answers, identically
         assert chat(served, PROMPTS[0], max_tokens=32, temperature=0) == text
+        # the planner's device, named in the assignment, is the one the stage compiles on
+        ok = asyncio.run(assign(replace(here, device="CPU")))
+        assert isinstance(ok, Assigned) and ok.device == "CPU" and ok.term == 51 and ok.stage == 0
+        with urllib.request.urlopen(f"http://{served.nodes[0]}/v1/node", timeout=10) as r:
+            stage = json.loads(r.read())["stage"]
+        assert stage["term_seen"] == 51 and stage["device"] == "CPU"
     finally:
         served.stop()
 

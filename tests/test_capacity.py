@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.capacity import Capacity, fingerprint, probe
+from agent.capacity import Capacity, DeviceMemory, device_memory, fingerprint, offered_devices, probe
+from agent.protocol import DeviceOffer
+from agent.runtime.device import DeviceError
 
 BENCH = 0.05
 
@@ -29,6 +31,8 @@ def test_probe_cpu(tmp_path: Path) -> None:
     assert cpu.full_name
     assert cpu.score > 0
     assert cap.mem_total >= cap.mem_free > 0
+    assert cpu.mem_total == cap.mem_total and cpu.mem_free > 0 and not cpu.own_memory  # the system's RAM
+    assert cap.offers() == (DeviceOffer("CPU", round(cpu.score, 3), cpu.mem_free, False),)
     assert cap.cpu_count >= 1
     assert cap.best_device == "CPU"
     assert cap.speed_score == max(d.score for d in cap.devices) == cpu.score
@@ -91,3 +95,72 @@ def test_bad_device_does_not_stop_probe(tmp_path: Path) -> None:
     bad, cpu = cap.devices
     assert bad.score == 0.0 and bad.error and bad.kind == "NOPE"
     assert cpu.score > 0 and cap.best_device == "CPU"
+
+
+def test_probe_offers_the_requested_device_only(tmp_path: Path) -> None:
+    cache = tmp_path / "capacity.json"
+    cap = probe(cache, bench_seconds=BENCH, requested="CPU")
+    assert [d.name for d in cap.devices] == ["CPU"] and cap.best_device == "CPU"
+    # pinned to a device this machine lacks: nothing is offered (the stage would not run there)
+    if "GPU" not in cap.kinds():
+        gone = probe(cache, bench_seconds=BENCH, requested="GPU")
+        assert gone.devices == () and gone.offers() == () and gone.speed_score == 0.0
+    auto = probe(cache, bench_seconds=BENCH)
+    assert {d.kind for d in auto.devices} <= {"CPU", "GPU"} and "CPU" in auto.kinds()
+
+
+@pytest.mark.parametrize(
+    ("requested", "available", "offered"),
+    [
+        ("AUTO", ["CPU"], ["CPU"]),
+        ("AUTO", ["CPU", "GPU"], ["CPU", "GPU"]),
+        ("auto", ["CPU", "GPU.0", "GPU.1", "NPU"], ["CPU", "GPU.0", "GPU.1"]),  # no NPU: stages are dynamic-shaped
+        ("", ["CPU", "NPU"], ["CPU"]),
+        ("CPU", ["CPU", "GPU"], ["CPU"]),  # pinned: that device only (not the faster GPU)
+        ("GPU", ["CPU", "GPU"], ["GPU"]),
+        ("GPU", ["CPU", "GPU.0", "GPU.1"], ["GPU"]),
+        ("GPU.1", ["CPU", "GPU.0", "GPU.1"], ["GPU.1"]),
+        ("NPU", ["CPU", "NPU"], ["NPU"]),  # asked for explicitly
+    ],
+)
+def test_offered_devices(requested: str, available: list[str], offered: list[str]) -> None:
+    assert offered_devices(requested, available) == offered
+
+
+def test_a_pinned_device_not_there_offers_nothing_but_says_why() -> None:
+    with pytest.raises(DeviceError, match="OpenVINO sees: CPU"):
+        offered_devices("GPU", ["CPU"])
+
+
+GIB = 1024**3
+SYS = (32 * GIB, 20 * GIB)  # system total, available
+
+
+@pytest.mark.parametrize(
+    ("kind", "device_type", "total", "stats", "want"),
+    [
+        # a discrete GPU: its own memory less what is allocated on it
+        (
+            "GPU",
+            "Type.DISCRETE",
+            16 * GIB,
+            {"usm_device": 3 * GIB, "cl_mem": GIB},
+            DeviceMemory(16 * GIB, 12 * GIB, True),
+        ),
+        ("GPU", "DISCRETE", 8 * GIB, {}, DeviceMemory(8 * GIB, 8 * GIB, True)),
+        ("GPU", "Type.DISCRETE", 8 * GIB, None, DeviceMemory(8 * GIB, 8 * GIB, True)),
+        ("GPU", "Type.DISCRETE", 4 * GIB, {"usm_device": 6 * GIB}, DeviceMemory(4 * GIB, 0, True)),  # floored at 0
+        ("GPU", "Type.DISCRETE", 8 * GIB, {"usm_device": GIB, "odd": "n/a"}, DeviceMemory(8 * GIB, 7 * GIB, True)),
+        # a discrete GPU that does not say its size offers no memory (not the system's RAM)
+        ("GPU", "Type.DISCRETE", None, None, DeviceMemory(0, 0, True)),
+        # an integrated GPU shares the system's RAM; so does the CPU
+        ("GPU", "Type.INTEGRATED", 16 * GIB, {"usm_host": GIB}, DeviceMemory(*SYS, False)),
+        ("GPU", "", None, None, DeviceMemory(*SYS, False)),
+        ("CPU", "Type.INTEGRATED", None, None, DeviceMemory(*SYS, False)),
+        ("CPU", "Type.DISCRETE", 8 * GIB, None, DeviceMemory(*SYS, False)),  # only a GPU has memory of its own
+    ],
+)
+def test_device_memory(
+    kind: str, device_type: str, total: int | None, stats: dict[str, object] | None, want: DeviceMemory
+) -> None:
+    assert device_memory(kind, device_type, total, stats, *SYS) == want

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -10,7 +12,9 @@ import pytest
 
 from agent.config import Settings
 from agent.daemon import DaemonOptions, running
-from agent.protocol import Assign, Error, decode, encode
+from agent.elector import Peer
+from agent.protocol import Assign, Beat, DeviceOffer, Error, decode, encode
+from coordinator.planner import NodeOffer
 
 
 async def _until_coordinator(http: aiohttp.ClientSession, api: str, timeout: float = 15.0) -> dict[str, object]:
@@ -65,6 +69,42 @@ async def test_status_api_pause_switch_and_fencing(isolated_home: Path) -> None:
             await ws.send_bytes(encode(assign))
             err, _ = decode(await ws.receive_bytes(timeout=10))
         assert isinstance(err, Error) and err.code == "stale_term"
+
+        # pinned to the CPU, it offers the CPU only, and refuses a stage on another device
+        for _ in range(300):
+            if d.capacity is not None:
+                break
+            await asyncio.sleep(0.1)
+        assert [o.name for o in d.me.offers] == ["CPU"] and d.me.offers[0].score > 0
+        async with http.get(f"{api}/v1/node") as r:
+            detail = (await r.json())["devices_detail"]
+        assert [x["name"] for x in detail] == ["CPU"] and detail[0]["mem_free"] > 0 and not detail[0]["own_memory"]
+        assert [(m.offer.node, m.offer.device) for m in d._members()] == [(d.node, "CPU")]
+        # peers: one NodeOffer per device a beat offers; a peer without offers (older) offers its node
+        e = d.elector
+        assert e is not None
+        gb = 1024**3
+        new = Beat(
+            "solo", "igpu", 7, 1, "follower", None, "available", True, 300.0, 6 * gb, 16 * gb, ("CPU", "GPU"), "0"
+        )
+        new = replace(new, offers=(DeviceOffer("CPU", 100.0, 6 * gb), DeviceOffer("GPU", 300.0, 6 * gb)))
+        old = Beat("solo", "old", 8, 1, "follower", None, "limited", True, 0.0, 2 * gb, 4 * gb, ("CPU",), "0")
+        for b in (new, old):
+            e.peers[b.node] = Peer(b.node, ("127.0.0.2", b.port), last_heard=time.monotonic(), beat=b)
+        offers = {(m.offer.node, m.offer.device): (m.offer, m.address, m.measured) for m in d._members()}
+        assert offers[("igpu", "GPU")] == (NodeOffer("igpu", 6 * gb, 300.0, "available", "GPU"), "127.0.0.2:7", True)
+        assert offers[("igpu", "CPU")][0] == NodeOffer("igpu", 6 * gb, 100.0, "available", "CPU")
+        assert offers[("old", "")] == (NodeOffer("old", 2 * gb, 1.0, "limited"), "127.0.0.2:8", False)
+        assert len(offers) == 4
+        for b in (new, old):
+            del e.peers[b.node]
+        term = d.host.term_seen
+        async with http.ws_connect(f"ws://127.0.0.1:{d.me.port}/ws") as ws:
+            await ws.send_bytes(encode(replace(assign, term=term + 5, device="GPU")))
+            err, _ = decode(await ws.receive_bytes(timeout=10))
+        assert isinstance(err, Error) and err.code == "bad_device"
+        assert "pinned to device CPU" in err.message and "asks for GPU" in err.message
+        assert d.host.term_seen == term
 
 
 def test_a_corrupt_term_file_stops_the_agent_with_a_clear_error(isolated_home: Path) -> None:

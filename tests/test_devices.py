@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from agent.runtime.device import DeviceError, available_devices, pick_device
+from agent.runtime.device import DeviceError, assigned_device, available_devices, pick_device, same_device
 from agent.runtime.device_profile import DeviceTraits, compile_properties, properties_for
 
 H200_POCL = DeviceTraits("GPU", frozenset({"FP32", "BIN", "INT8", "EXPORT_IMPORT"}), integrated=False)
@@ -48,6 +48,45 @@ def test_a_device_not_there_is_one_line_naming_those_seen(requested: str, availa
     msg = str(e.value)
     assert "\n" not in msg and repr(requested) in msg
     assert msg.endswith("OpenVINO sees: " + (", ".join(available) or "nothing"))
+
+
+@pytest.mark.parametrize(
+    ("pinned", "asked", "device"),
+    [
+        ("AUTO", None, "AUTO"),  # no device in the assignment: the agent's own choice
+        ("CPU", None, "CPU"),
+        ("AUTO", "GPU", "GPU"),  # an AUTO agent takes the planner's device
+        ("AUTO", "CPU", "CPU"),
+        ("auto", "GPU.1", "GPU.1"),
+        ("CPU", "CPU", "CPU"),
+        ("GPU", "GPU.0", "GPU.0"),  # GPU is GPU.0
+        ("gpu.0", "GPU", "GPU"),
+        ("CPU", "GPU", None),  # pinned: another device is refused
+        ("GPU.1", "GPU", None),
+        ("GPU", "CPU", None),
+    ],
+)
+def test_assigned_device(pinned: str, asked: str | None, device: str | None) -> None:
+    if device is not None:
+        assert assigned_device(pinned, asked) == device
+        return
+    with pytest.raises(DeviceError) as e:
+        assigned_device(pinned, asked)
+    assert pinned in str(e.value) and str(asked) in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "same"),
+    [
+        ("GPU", "GPU.0", True),
+        ("gpu.1", "GPU.1", True),
+        ("GPU", "GPU.1", False),
+        ("CPU", "cpu", True),
+        ("CPU", "GPU", False),
+    ],
+)
+def test_same_device(a: str, b: str, same: bool) -> None:
+    assert same_device(a, b) is same
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import pytest
 from agent.config import Settings
 from agent.elector import Elector, LocalNode
 from agent.identity import TermStore
-from agent.protocol import Ack, Beat, decode, encode
+from agent.protocol import Ack, Beat, DeviceOffer, decode, encode
 
 GB = 1024**3
 
@@ -125,3 +125,29 @@ async def test_a_paused_coordinator_hands_over(trio: list[Elector]) -> None:
     coord.me.state = "paused"
     await _until(lambda: _agreed(trio) not in (None, first))
     assert coord.status()["not_eligible_because"] == "paused"
+
+
+async def test_beats_carry_each_devices_offer(trio: list[Elector]) -> None:
+    """Shared-memory devices offer the node's fresh free memory (the figure of the beat itself);
+    a discrete GPU its own figure, as the daemon last read it."""
+    n0 = trio[0]
+    n0.me.offers = (
+        DeviceOffer("CPU", 10.0, 1 * GB),
+        DeviceOffer("GPU", 30.0, 1 * GB),
+        DeviceOffer("GPU.1", 90.0, 3 * GB, True),
+    )
+
+    def heard() -> Beat | None:
+        p = trio[1].peers.get("n0")
+        return p.beat if p is not None and p.beat is not None and p.beat.offers else None
+
+    await _until(lambda: heard() is not None)
+    b = heard()
+    assert b is not None and b.mem_free == 8 * GB and b.score == 10.0
+    assert b.offers == (
+        DeviceOffer("CPU", 10.0, 8 * GB),
+        DeviceOffer("GPU", 30.0, 8 * GB),
+        DeviceOffer("GPU.1", 90.0, 3 * GB, True),
+    )
+    row = next(r for r in trio[1].status()["peers"] if r["node"] == "n0")
+    assert [o["name"] for o in row["offers"]] == ["CPU", "GPU", "GPU.1"]

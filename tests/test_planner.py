@@ -183,3 +183,96 @@ def test_footprint_of_a_real_config() -> None:
     weights = 24 * fp.layer_bytes + fp.head_bytes
     assert 200 * MB < weights < 400 * MB  # Qwen2.5-0.5B at INT4: about 0.3 GB of weights
     assert fp.head_bytes > 5 * fp.layer_bytes  # its lm_head weighs as much as several layers
+
+
+# ---- one offer per device: the planner picks each node's device ------------------------------
+
+
+def _d(node: str, device: str, gb: float, speed: float, state: str = "available") -> NodeOffer:
+    return NodeOffer(node, int(gb * GB), speed, state, device)
+
+
+@pytest.mark.parametrize(
+    ("offers", "streams", "home", "stages"),
+    [
+        # a GPU 3x as fast as its node's CPU takes the node's stage
+        ([_d("a", "CPU", 8, 100.0), _d("a", "GPU", 8, 300.0)], 1, None, [("a", "GPU", 0, 10)]),
+        # the model (1.5 GB) does not fit the discrete GPU's 1 GB: the node's CPU, with the system's RAM
+        ([_d("a", "CPU", 8, 100.0), _d("a", "GPU.1", 1, 300.0)], 1, None, [("a", "CPU", 0, 10)]),
+        # devices as fast: the one with more free memory
+        ([_d("a", "CPU", 8, 100.0), _d("a", "GPU.1", 16, 100.0)], 1, None, [("a", "GPU.1", 0, 10)]),
+        # two nodes, one with a GPU: the GPU node takes the larger share (and the lm_head)
+        (
+            [_d("a", "CPU", 8, 100.0), _d("a", "GPU", 8, 300.0), _d("b", "CPU", 8, 100.0)],
+            8,
+            None,
+            [("b", "CPU", 0, 3), ("a", "GPU", 3, 10)],
+        ),
+        # the coordinator's node first changes nothing here: it was first anyway
+        (
+            [_d("b", "CPU", 8, 100.0), _d("a", "CPU", 8, 100.0), _d("a", "GPU", 8, 300.0)],
+            8,
+            "b",
+            [("b", "CPU", 0, 3), ("a", "GPU", 3, 10)],
+        ),
+        # a small discrete GPU still takes a stage that fits it, when a plan over fastest devices fits
+        (
+            [_d("a", "CPU", 8, 100.0), _d("a", "GPU.1", 1, 300.0), _d("b", "CPU", 8, 100.0)],
+            8,
+            None,
+            [("b", "CPU", 0, 5), ("a", "GPU.1", 5, 10)],
+        ),
+        # nothing fits over the fastest devices: every node's roomiest device
+        (
+            [_d("a", "CPU", 1, 100.0), _d("a", "GPU.1", 0.5, 300.0), _d("b", "CPU", 1, 100.0)],
+            1,
+            None,
+            [("a", "CPU", 0, 6), ("b", "CPU", 6, 10)],
+        ),
+        # a fast GPU that holds only the lm_head's stage would leave the slow node 9 layers (180 ms):
+        # the node's CPU alone is faster (130 ms), and its GPU is left idle
+        (
+            [_d("a", "CPU", 8, 100.0), _d("a", "GPU.1", 0.5, 400.0), _d("b", "CPU", 8, 50.0)],
+            1,
+            None,
+            [("a", "CPU", 0, 10)],
+        ),
+        # as with many streams: two CPUs at 70 ms a token beat that GPU's stage and a CPU with 9 layers (90 ms)
+        (
+            [_d("a", "CPU", 8, 100.0), _d("a", "GPU.1", 0.5, 400.0), _d("b", "CPU", 8, 100.0)],
+            8,
+            None,
+            [("a", "CPU", 0, 6), ("b", "CPU", 6, 10)],
+        ),
+        # a limited node counts at half speed on every device: its GPU is no faster than the other node's CPU
+        (
+            [_d("a", "CPU", 8, 100.0, "limited"), _d("a", "GPU", 8, 200.0, "limited"), _d("b", "CPU", 8, 150.0)],
+            1,
+            None,
+            [("b", "CPU", 0, 10)],
+        ),
+        # a paused node's devices are all left out
+        (
+            [_d("p", "GPU", 8, 900.0, "paused"), _d("p", "CPU", 8, 100.0, "paused"), _d("a", "CPU", 8, 100.0)],
+            8,
+            None,
+            [("a", "CPU", 0, 10)],
+        ),
+        # offers from agents that do not say per device: the stage's device is left to the agent
+        ([_o("a", 8), _o("b", 8)], 8, None, [("a", "", 0, 6), ("b", "", 6, 10)]),
+    ],
+)
+def test_plan_picks_each_nodes_device(
+    offers: list[NodeOffer], streams: int, home: str | None, stages: list[tuple[str, str, int, int]]
+) -> None:
+    plan = plan_pipeline(FP, offers, streams=streams, hop_s=0.001, home=home)
+    assert [(s.node, s.device, s.start, s.end) for s in plan.stages] == stages
+    assert len(set(plan.nodes)) == len(plan.nodes)  # one stage per node at most
+    by_device = {(o.node, o.device): o for o in offers}
+    assert all(s.mem_bytes <= by_device[s.node, s.device].mem_free for s in plan.stages)
+
+
+def test_plan_over_devices_says_what_is_missing() -> None:
+    # the shared memory of a node's CPU and integrated GPU is counted once
+    with pytest.raises(PlanError, match=r"needs 1\.5 GB, cluster offers 0\.8 GB over 2 node\(s\)"):
+        plan_pipeline(FP, [_d("a", "CPU", 0.4, 100.0), _d("a", "GPU", 0.4, 300.0), _d("b", "CPU", 0.4, 100.0)])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from dataclasses import replace
 
 import msgpack
 import numpy as np
@@ -10,7 +11,9 @@ import pytest
 
 from agent.protocol import (
     Assign,
+    Beat,
     Close,
+    DeviceOffer,
     Error,
     Fwd,
     Ids,
@@ -20,6 +23,28 @@ from agent.protocol import (
     decode,
     encode,
     tensor,
+)
+
+GIB = 1024**3
+BEAT = Beat(
+    cluster="c",
+    node="n1",
+    port=7700,
+    term=3,
+    role="follower",
+    leader="n2",
+    state="available",
+    eligible=True,
+    score=300.0,
+    mem_free=12 * GIB,
+    mem_total=32 * GIB,
+    devices=("CPU", "GPU"),
+    version="0.1.0",
+    offers=(
+        DeviceOffer("CPU", 100.0, 12 * GIB, False),
+        DeviceOffer("GPU.0", 300.0, 12 * GIB, False),
+        DeviceOffer("GPU.1", 900.5, 7 * GIB, True),
+    ),
 )
 
 
@@ -65,6 +90,19 @@ def test_messages_round_trip() -> None:
             exact=True,
             link_delay_ms=100.0,
         ),
+        Assign(
+            term=2,
+            export_id="e",
+            stage=0,
+            stages=1,
+            manifest_sha256="ab" * 32,
+            artifacts_url="http://x",
+            local_dir="/tmp/s",
+            next_hop="ws://y/ws",
+            device="GPU.1",
+        ),
+        BEAT,
+        replace(BEAT, offers=()),
     ):
         assert decode(encode(m))[0] == m
 
@@ -117,3 +155,67 @@ def test_malformed_frames_are_refused(frame: bytes, code: str) -> None:
     with pytest.raises(ProtocolError) as e:
         decode(frame)
     assert e.value.code == code
+
+
+def test_a_beat_without_offers_still_parses() -> None:
+    """An older agent's beat: no offers (its score and mem_free stand for the whole node)."""
+    h = {**BEAT.header()}
+    del h["offers"]
+    msg, _ = decode(_frame(h))
+    assert isinstance(msg, Beat) and msg.offers == () and msg.score == 300.0 and msg.mem_free == 12 * GIB
+    assert msg == replace(BEAT, offers=())
+
+
+def test_a_beat_carries_its_offers_as_small_lists() -> None:
+    h = BEAT.header()
+    assert h["offers"][2] == ["GPU.1", 900.5, 7 * GIB, True]
+    assert len(encode(BEAT)) < 600  # one UDP datagram, with room to spare
+
+
+BEAT_H = BEAT.header()
+ASSIGN_H = Assign(
+    term=2,
+    export_id="e",
+    stage=0,
+    stages=1,
+    manifest_sha256="ab" * 32,
+    artifacts_url="http://x",
+    local_dir=None,
+    next_hop="ws://y/ws",
+).header()
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        {**BEAT_H, "offers": "CPU"},
+        {**BEAT_H, "offers": {"CPU": 1.0}},
+        {**BEAT_H, "offers": [["CPU", 1.0, 1]]},  # too short
+        {**BEAT_H, "offers": [["CPU", 1.0, 1, False, "x"]]},  # too long
+        {**BEAT_H, "offers": [["CPU", 1.0, 1, False]] * 9},  # more than 8
+        {**BEAT_H, "offers": [["cpu", 1.0, 1, False]]},  # device names are upper case
+        {**BEAT_H, "offers": [["GPU.123", 1.0, 1, False]]},
+        {**BEAT_H, "offers": [["GPU 1", 1.0, 1, False]]},
+        {**BEAT_H, "offers": [["", 1.0, 1, False]]},
+        {**BEAT_H, "offers": [["A" * 17, 1.0, 1, False]]},
+        {**BEAT_H, "offers": [[7, 1.0, 1, False]]},
+        {**BEAT_H, "offers": [["CPU", -1.0, 1, False]]},
+        {**BEAT_H, "offers": [["CPU", 2e7, 1, False]]},  # above MAX_SCORE
+        {**BEAT_H, "offers": [["CPU", "fast", 1, False]]},
+        {**BEAT_H, "offers": [["CPU", 1.0, -1, False]]},
+        {**BEAT_H, "offers": [["CPU", 1.0, 1 << 51, False]]},  # above MAX_MEM
+        {**BEAT_H, "offers": [["CPU", 1.0, 1.5, False]]},
+        {**BEAT_H, "offers": [["CPU", 1.0, 1, 1]]},  # own_memory is a bool
+        {**BEAT_H, "offers": [["CPU", 1.0, True, False]]},
+        {**BEAT_H, "offers": None},
+        {**ASSIGN_H, "device": "gpu"},
+        {**ASSIGN_H, "device": ""},
+        {**ASSIGN_H, "device": "GPU.1.2"},
+        {**ASSIGN_H, "device": "CPU; rm -rf /"},
+        {**ASSIGN_H, "device": 1},
+    ],
+)
+def test_malformed_offers_and_devices_are_refused(header: dict) -> None:  # type: ignore[type-arg]
+    with pytest.raises(ProtocolError) as e:
+        decode(_frame(header))
+    assert e.value.code == "bad_field"

@@ -69,6 +69,9 @@ def test_agents_form_a_pipeline_and_a_new_coordinator_takes_over(lab, whole_int8
         i = next(k for k in range(3) if (lab.get(k, "/v1/node") or {}).get("node") == st["node"])
         stage = lab.get(i, "/v1/node")["stage"]  # type: ignore[index]
         assert stage["assigned"] and stage["layers"] == st["layers"]
+        # the planner chose one of the devices the agent offered, and the stage runs there
+        offered = [d["name"] for d in lab.get(i, "/v1/node")["devices_detail"]]  # type: ignore[index]
+        assert st["device"] in offered and stage["device"] == st["device"]
         fetched = list((lab.homes[i] / "cache" / "artifacts").iterdir())
         assert len(fetched) == 1 and (fetched[0] / "model.bin").is_file()
 

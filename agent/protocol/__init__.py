@@ -19,7 +19,7 @@ from agent.protocol.codec import (
     decode,
     encode,
 )
-from agent.protocol.control import Ack, Beat, Vote, VoteRequest
+from agent.protocol.control import Ack, Beat, DeviceOffer, Vote, VoteRequest
 from agent.protocol.data import Assign, Assigned, Close, Error, Fwd, Ids, Passed, SamplingSpec, tensor
 from agent.protocol.head import Head, HeadTop
 from agent.protocol.probe import Ping, Pong
@@ -37,6 +37,7 @@ __all__ = [
     "Assigned",
     "Beat",
     "Close",
+    "DeviceOffer",
     "Error",
     "Fwd",
     "Head",

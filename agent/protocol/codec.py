@@ -13,6 +13,7 @@ messages (beats, votes) use the same frames, one per UDP datagram.
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
@@ -26,6 +27,7 @@ _PREFIX = struct.Struct("<2sBI")
 MAX_HEADER = 64 * 1024
 MAX_TOKENS_PER_FRAME = 32768
 MAX_FRAME = 256 * 1024 * 1024  # websocket max_msg_size on every link
+DEVICE_RE = re.compile(r"^[A-Z][A-Z0-9_]{0,15}(\.[0-9]{1,2})?$")  # an OpenVINO device: CPU, GPU, GPU.1
 
 DTYPES: dict[str, np.dtype[Any]] = {
     "i32": np.dtype("<i4"),
@@ -66,6 +68,16 @@ def str_field(v: Any, name: str, max_len: int = 256) -> str:
 
 def opt_str_field(v: Any, name: str, max_len: int = 2048) -> str | None:
     return None if v is None else str_field(v, name, max_len)
+
+
+def device_field(v: Any, name: str) -> str:
+    if not isinstance(v, str) or not DEVICE_RE.match(v):
+        raise ProtocolError("bad_field", f"{name} must be an OpenVINO device name such as CPU, GPU or GPU.1, got {v!r}")
+    return v
+
+
+def opt_device_field(v: Any, name: str) -> str | None:
+    return None if v is None else device_field(v, name)
 
 
 def int_list_field(v: Any, name: str, max_len: int = MAX_TOKENS_PER_FRAME) -> tuple[int, ...]:

@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 from agent.protocol.codec import (
     Message,
     ProtocolError,
+    device_field,
     float_field,
     int_field,
     opt_str_field,
@@ -22,6 +23,7 @@ ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 KIND_RE = re.compile(r"^[A-Z][A-Z0-9_]{0,15}$")
 MAX_SCORE = 1e7  # GFLOP/s; anything above is a forgery or a bug
 MAX_MEM = 1 << 50  # 1 PiB
+MAX_OFFERS = 8  # devices one beat offers
 
 
 def id_field(v: Any, name: str) -> str:
@@ -53,6 +55,37 @@ def kinds_field(v: Any, name: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
+class DeviceOffer:
+    """One device a node offers the planner (a part of :class:`Beat`): its measured speed
+    (GFLOP/s) and free memory; ``own_memory``: a discrete GPU's, not the system's RAM."""
+
+    name: str  # the OpenVINO device: CPU, GPU, GPU.1
+    score: float
+    mem_free: int
+    own_memory: bool = False
+
+    def wire(self) -> list[Any]:
+        return [self.name, self.score, self.mem_free, self.own_memory]
+
+    @classmethod
+    def parse(cls, v: Any, name: str = "offer") -> DeviceOffer:
+        if not isinstance(v, list | tuple) or len(v) != 4:
+            raise ProtocolError("bad_field", f"{name} must be [device, score, mem_free, own_memory]")
+        return DeviceOffer(
+            name=device_field(v[0], f"{name} device"),
+            score=float_field(v[1], f"{name} score", 0.0, MAX_SCORE),
+            mem_free=int_field(v[2], f"{name} mem_free", 0, MAX_MEM),
+            own_memory=bool_field(v[3], f"{name} own_memory"),
+        )
+
+
+def offers_field(v: Any, name: str) -> tuple[DeviceOffer, ...]:
+    if not isinstance(v, list | tuple) or len(v) > MAX_OFFERS:
+        raise ProtocolError("bad_field", f"{name} must be a list of at most {MAX_OFFERS} device offers")
+    return tuple(DeviceOffer.parse(x, name) for x in v)
+
+
+@dataclass(frozen=True)
 class Beat(Message):
     """Every node to every peer, every beat interval: "I am alive, and this is what I offer".
 
@@ -81,10 +114,13 @@ class Beat(Message):
     temp_c: float | None = None
     tok_s: float = 0.0  # positions its stage computed per second, lately
     next_rtt_ms: float | None = None  # round trip from its stage to the next agent of the ring
+    # each device it offers (older agents leave them out: score and mem_free above stand for the node)
+    offers: tuple[DeviceOffer, ...] = ()
 
     def header(self) -> dict[str, Any]:
         d = super().header()
         d["devices"] = list(self.devices)
+        d["offers"] = [o.wire() for o in self.offers]
         return d
 
     @classmethod
@@ -110,6 +146,7 @@ class Beat(Message):
             temp_c=None if h.get("temp_c") is None else float_field(h.get("temp_c"), "temp_c", -100.0, 300.0),
             tok_s=float_field(h.get("tok_s", 0.0), "tok_s", 0.0, 1e7),
             next_rtt_ms=None if h.get("next_rtt_ms") is None else float_field(h["next_rtt_ms"], "next_rtt_ms", 0, 1e6),
+            offers=offers_field(h.get("offers", []), "offers"),
         )
 
 

@@ -15,6 +15,7 @@ from agent.protocol.codec import (
     float_field,
     int_field,
     int_list_field,
+    opt_device_field,
     opt_str_field,
     register,
     str_field,
@@ -231,6 +232,7 @@ class Assign(Message):
     link_delay_ms: float = 0.0
     link_mbps: float = 0.0  # 0: unlimited
     loop_hop: str | None = None  # the last stage's link back to stage 0 (for Fwd.auto)
+    device: str | None = None  # the OpenVINO device to compile on (the planner's choice); None: the agent's own
 
     @classmethod
     def parse(cls, h: dict[str, Any]) -> Assign:
@@ -255,6 +257,7 @@ class Assign(Message):
             link_delay_ms=float_field(h.get("link_delay_ms", 0.0), "link_delay_ms", 0.0, 60000.0),
             link_mbps=float_field(h.get("link_mbps", 0.0), "link_mbps", 0.0, 1e6),
             loop_hop=opt_str_field(h.get("loop_hop"), "loop_hop"),
+            device=opt_device_field(h.get("device"), "device"),
         )
 
 

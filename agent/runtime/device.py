@@ -115,6 +115,30 @@ def pick_device(requested: str, available: list[str]) -> str:
     raise DeviceError(f"device {requested!r} is not available; OpenVINO sees: {seen}")
 
 
+def same_device(a: str, b: str) -> bool:
+    """Whether two device names mean the same device (pure): ``GPU`` is ``GPU.0``, case aside."""
+
+    def norm(d: str) -> str:
+        d = d.strip().upper()
+        return d if "." in d else f"{d}.0"
+
+    return norm(a) == norm(b)
+
+
+def assigned_device(pinned: str, asked: str | None) -> str:
+    """The device an assigned stage compiles on (pure): the assignment's, else the agent's own.
+
+    An agent pinned to a device (``--device CPU``) takes no other: an assignment naming another
+    raises DeviceError naming both.
+    """
+    own = (pinned or "AUTO").strip()
+    if not asked:
+        return own
+    if own.upper() != "AUTO" and not same_device(own, asked):
+        raise DeviceError(f"this agent is pinned to device {own}; the assignment asks for {asked}")
+    return asked
+
+
 def choose_device(requested: str = "AUTO") -> str:
     """:func:`pick_device` over the devices this machine's OpenVINO lists."""
     return pick_device(requested, available_devices())
