@@ -110,44 +110,84 @@ def _feed(stage: Stage, st: Any, ids: list[int]) -> np.ndarray:
     return np.array(out.logits[-1], copy=True)
 
 
+def _greedy(stage: Stage, st: Any, tok: int, n: int) -> tuple[list[int], list[np.ndarray]]:
+    toks, lgs = [], []
+    for _ in range(n):
+        lg = _feed(stage, st, [tok])
+        tok = int(np.argmax(lg))
+        toks.append(tok)
+        lgs.append(lg)
+    return toks, lgs
+
+
+JUNK = [9, 99, 999, 1234, 77]
+
+
+def _scenario(stage: Stage, prompt: list[int], how: str) -> tuple[list[int], list[np.ndarray]]:
+    """One stream on its own: the prompt, two rounds of rejected draft tokens undone by ``how``
+    (none: never fed), then 24 greedy tokens."""
+    st = stage.open_stream()
+    st.reset()
+    _feed(stage, st, prompt)
+    for r in (5, 3):
+        if how == "none":
+            continue
+        _feed(stage, st, JUNK[:r])
+        if how == "masked":
+            st.rollback(r)
+        else:
+            st.trim(r)
+    if how == "masked":
+        assert st.phys == len(prompt) + 8
+    else:
+        assert st.phys == len(prompt)
+    return _greedy(stage, st, 13, 24)
+
+
 def test_mask_rollback_on_a_gpu_stage_equals_a_physical_trim(gpu_stage: Stage, prompts) -> None:  # type: ignore[no-untyped-def]
+    """Each way of undoing rejected draft tokens runs on a stream of its own, one after the other:
+    the masked stream, the trimmed one and one that never saw the junk give the same tokens."""
     stage = gpu_stage
-    prompt, junk = prompts[0], [9, 99, 999, 1234, 77]
-    ref, masked, trimmed = stage.open_stream(), stage.open_stream(), stage.open_stream()
-    for st in (ref, masked, trimmed):
-        st.reset()
-        _feed(stage, st, prompt)
-    for r in (5, 3):  # two rounds of rejected draft tokens
-        _feed(stage, masked, junk[:r])
-        masked.rollback(r)
-        _feed(stage, trimmed, junk[:r])
-        trimmed.trim(r)
-    assert masked.phys == len(prompt) + 8 and trimmed.phys == len(prompt)
-    outs: dict[str, tuple[list[int], list[np.ndarray]]] = {}
-    for name, st in (("ref", ref), ("masked", masked), ("trimmed", trimmed)):
-        tok, toks, lgs = 13, [], []
-        for _ in range(24):
-            lg = _feed(stage, st, [tok])
-            tok = int(np.argmax(lg))
-            toks.append(tok)
-            lgs.append(lg)
-        outs[name] = (toks, lgs)
-    scale = max(float(np.abs(a).max()) for a in outs["ref"][1])
+    outs = {how: _scenario(stage, prompts[0], how) for how in ("none", "masked", "trimmed")}
+    scale = max(float(np.abs(a).max()) for a in outs["none"][1])
 
     def gap(a: str, b: str) -> float:
         n = _first_diff(outs[a][0], outs[b][0])
         return max(float(np.abs(x - y).max()) for x, y in zip(outs[a][1][: n + 1], outs[b][1][: n + 1], strict=True))
 
     facts = (
-        f"first differing token: masked vs ref {_first_diff(outs['masked'][0], outs['ref'][0])}, "
-        f"trimmed vs ref {_first_diff(outs['trimmed'][0], outs['ref'][0])}; max |logit diff| up to it: "
-        f"masked/trimmed {gap('masked', 'trimmed'):.2e}, masked/ref {gap('masked', 'ref'):.2e}, "
-        f"trimmed/ref {gap('trimmed', 'ref'):.2e}, of {scale:.1f}"
+        f"first differing token: masked vs never-fed {_first_diff(outs['masked'][0], outs['none'][0])}, "
+        f"trimmed vs never-fed {_first_diff(outs['trimmed'][0], outs['none'][0])}; max |logit diff| up to it: "
+        f"masked/trimmed {gap('masked', 'trimmed'):.2e}, masked/never {gap('masked', 'none'):.2e}, "
+        f"trimmed/never {gap('trimmed', 'none'):.2e}, of {scale:.1f}"
     )
-    assert outs["trimmed"][0] == outs["ref"][0], facts
+    assert outs["trimmed"][0] == outs["none"][0], facts
     assert outs["masked"][0] == outs["trimmed"][0], facts
     assert gap("masked", "trimmed") <= 1e-4 * scale, facts
     report(f"GPU: mask rollback vs physical trim, 24 tokens identical; {facts}")
+
+
+def test_streams_interleaved_on_a_gpu_stage_equal_their_solo_runs(gpu_stage: Stage, prompts) -> None:  # type: ignore[no-untyped-def]
+    """Micro-batching on the GPU: three streams (each its own InferRequest and KV state) stepped
+    in turn give each the tokens it gets alone."""
+    stage = gpu_stage
+    solo = []
+    for p in prompts[:3]:
+        st = stage.open_stream()
+        st.reset()
+        tok = int(np.argmax(_feed(stage, st, p)))
+        solo.append([tok, *_greedy(stage, st, tok, 24)[0]])
+    streams = [stage.open_stream() for _ in range(3)]
+    toks = []
+    for st, p in zip(streams, prompts[:3], strict=True):
+        st.reset()
+        toks.append([int(np.argmax(_feed(stage, st, p)))])
+    for _ in range(24):
+        for st, t in zip(streams, toks, strict=True):
+            t.append(int(np.argmax(_feed(stage, st, [t[-1]]))))
+    firsts = [_first_diff(a, b) for a, b in zip(toks, solo, strict=True)]
+    assert toks == solo, f"first differing token per stream: {firsts}"
+    report("GPU: 3 streams stepped in turn on one stage == each alone, 25 tokens")
 
 
 _terms = itertools.count(1)

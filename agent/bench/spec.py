@@ -31,6 +31,7 @@ from agent.export.exporter import ExportOptions, export_model
 from agent.models.registry import REGISTRY
 from agent.models.store import LocalModel, ModelStore
 from agent.runtime.device import device_names
+from agent.runtime.device_profile import compile_properties
 from coordinator.local_cluster import LocalCluster
 from coordinator.scheduler import GenRequest
 from coordinator.serve import Coordinator, ServeConfig
@@ -141,9 +142,11 @@ def genai_spec(
     prompts: list[list[int]],
     tokens: int,
     threads: int,
+    device: str = "CPU",
 ) -> dict[str, Any]:
-    """OpenVINO GenAI on one node: plain LLMPipeline and its speculative pipeline."""
-    out: dict[str, Any] = {"genai_tok_s": None, "genai_spec_tok_s": None}
+    """OpenVINO GenAI on one node, on the stage's device: plain LLMPipeline and its speculative
+    pipeline (the draft on the same device)."""
+    out: dict[str, Any] = {"genai_device": device, "genai_tok_s": None, "genai_spec_tok_s": None}
     try:
         import openvino as ov
         import openvino_genai as ovg
@@ -151,7 +154,14 @@ def genai_spec(
         out["genai_error"] = f"openvino_genai is not installed: {e}"
         return out
     tdir = export_model(target, [(0, target.num_layers)], ExportOptions(weights=weights, genai=True), quiet=True).dir
-    props = {"KV_CACHE_PRECISION": "f16", "INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": "f32"}
+    if device == "CPU":
+        props: dict[str, Any] = {
+            "KV_CACHE_PRECISION": "f16",
+            "INFERENCE_NUM_THREADS": threads,
+            "INFERENCE_PRECISION_HINT": "f32",
+        }
+    else:  # what our stages compile with on that device (its precision, its KV cache precision)
+        props = compile_properties(device)
 
     def timed(pipe: Any, extra: dict[str, Any]) -> float:
         cfg = pipe.get_generation_config()
@@ -165,18 +175,18 @@ def genai_spec(
             n += len(res.tokens[0])
         return n / (time.perf_counter() - t0)
 
-    plain = ovg.LLMPipeline(str(tdir), "CPU", ATTENTION_BACKEND="SDPA", **props)
+    plain = ovg.LLMPipeline(str(tdir), device, ATTENTION_BACKEND="SDPA", **props)
     out["genai_tok_s"] = round(timed(plain, {}), 2)
     del plain
     try:
         if draft is None:
-            pipe = ovg.LLMPipeline(str(tdir), "CPU", prompt_lookup=True, **props)
+            pipe = ovg.LLMPipeline(str(tdir), device, prompt_lookup=True, **props)
             extra: dict[str, Any] = {"num_assistant_tokens": k, "max_ngram_size": 3}
         else:
             ddir = export_model(
                 draft, [(0, draft.num_layers)], ExportOptions(weights=draft_weights, genai=True), quiet=True
             ).dir
-            pipe = ovg.LLMPipeline(str(tdir), "CPU", draft_model=ovg.draft_model(str(ddir), "CPU", **props), **props)
+            pipe = ovg.LLMPipeline(str(tdir), device, draft_model=ovg.draft_model(str(ddir), device, **props), **props)
             extra = {"num_assistant_tokens": k}
         out["genai_spec_tok_s"] = round(timed(pipe, extra), 2)
     except Exception as e:  # GenAI's speculative path rewrites the graph for PagedAttention
@@ -361,8 +371,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if n == 1 and args.link_delay_ms == 0 and not args.no_genai:
         fixed = [k for k in ks if k is not None]
         gk = int(best["k"]) if best["k"] != "auto" else (fixed[0] if fixed else 3)
-        _say(f"OpenVINO GenAI on the same cores, K={gk}")
+        gdev = device.split(",")[0]
+        _say(f"OpenVINO GenAI on the same {'cores' if gdev == 'CPU' else 'device'}, K={gk}")
         os.sched_setaffinity(0, node_cores[0])
-        result.update(genai_spec(target, draft, weights, args.draft_weights, gk, prompts, args.tokens, c))
+        result.update(genai_spec(target, draft, weights, args.draft_weights, gk, prompts, args.tokens, c, gdev))
         os.sched_setaffinity(0, avail)
     return result
