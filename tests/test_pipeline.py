@@ -100,6 +100,72 @@ def test_openai_client_streams_a_chat_completion(served3: Served) -> None:
     assert full.usage is not None and full.usage.prompt_tokens > 5
 
 
+def test_openai_client_gets_not_found_for_a_model_not_served(served3: Served) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{served3.api_url}/v1", api_key="unused", max_retries=0)
+    msgs = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-17", messages=msgs, max_tokens=4)  # type: ignore[arg-type]
+    assert e.value.code == "model_not_found"
+    assert "smollm2-135m" in e.value.message  # it names the model that is served
+    # the API keeps serving the model it has
+    ok = client.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=4)  # type: ignore[arg-type]
+    assert ok.choices[0].message.content
+
+
+@pytest.mark.parametrize(("method", "path", "status"), [("GET", "/v1/nope", 404), ("POST", "/v1/models", 405)])
+def test_unknown_routes_and_methods_answer_an_openai_json_error(
+    served3: Served, method: str, path: str, status: int
+) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{served3.api_url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as e:
+        if method == "GET":
+            client.get(path.removeprefix("/v1"), cast_to=object)
+        else:
+            client.post(path.removeprefix("/v1"), cast_to=object, body={})
+    assert e.value.status_code == status
+    assert e.value.response.headers["content-type"].startswith("application/json")
+    err = e.value.response.json()["error"]
+    assert err["message"] and err["type"]
+
+
+def test_completion_tokens_count_the_tokens_generated(served3: Served) -> None:
+    """usage.completion_tokens is what was generated: never above max_tokens, the same streamed
+    (with stream_options.include_usage) as not, and one per streamed token."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{served3.api_url}/v1", api_key="unused", max_retries=0)
+    msgs = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
+    full = client.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=48, temperature=0)  # type: ignore[arg-type]
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage is not None and full.usage.completion_tokens == 48
+    chunks, usage = [], None
+    for chunk in client.chat.completions.create(
+        model="smollm2-135m",
+        messages=msgs,  # type: ignore[arg-type]
+        max_tokens=48,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if chunk.choices and chunk.choices[0].delta.content:
+            chunks.append(chunk.choices[0].delta.content)
+    assert usage is not None, "no usage chunk although the client asked for it"
+    assert usage.completion_tokens == 48 and usage.prompt_tokens == full.usage.prompt_tokens
+    assert "".join(chunks) == full.choices[0].message.content
+    assert len(chunks) <= usage.completion_tokens
+    # without include_usage, no usage chunk (as OpenAI)
+    plain = client.chat.completions.create(
+        model="smollm2-135m", messages=msgs, max_tokens=8, temperature=0, stream=True
+    )  # type: ignore[arg-type]
+    assert all(c.usage is None for c in plain)
+
+
 def test_stop_strings_and_max_tokens(served3: Served) -> None:
     status, body = post_chat(
         served3.api_url,
