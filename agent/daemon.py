@@ -41,7 +41,7 @@ from agent.elector import Elector, LocalNode
 from agent.gateway import Target, add_member_routes
 from agent.identity import TermStore, node_id
 from agent.local_api import make_local_app
-from agent.paths import log_dir
+from agent.paths import agent_state_dir, log_dir
 from agent.protocol.events import NodeInfo
 from agent.server import make_app
 from agent.stage_host import StageHost
@@ -82,9 +82,10 @@ class AgentDaemon:
     def __init__(self, settings: Settings, opts: DaemonOptions, config_path: Any = None) -> None:
         self.settings, self.opts = settings, opts
         self.config_path = config_path  # the settings file it was started with (None: the default)
-        self.node = node_id()
+        folder = agent_state_dir(settings.port)  # several agents on one machine: one each
+        self.node = node_id(folder)
         # standalone agents take their term from a 'serve' coordinator, not from an election
-        self.store = TermStore(persist=not opts.standalone)
+        self.store = TermStore(folder, persist=not opts.standalone)
         self.host = StageHost(device=opts.device, threads=opts.threads, spin_ms=opts.spin_ms, head_help=opts.head_help)
         self.host.term_seen = data_term(self.store.state.term)
         self.me = LocalNode(

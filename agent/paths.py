@@ -41,6 +41,21 @@ def state_dir() -> Path:
     return p
 
 
+DEFAULT_DATA_PORT = 7700
+
+
+def agent_state_dir(port: int) -> Path:
+    """The state folder of the agent listening on data ``port``: the default port (or 0, any
+    port) keeps the plain folder; another port gets a folder of its own, so several agents on
+    one machine each keep their own node id and election term."""
+    base = state_dir()
+    if port in (0, DEFAULT_DATA_PORT):
+        return base
+    p = base / f"port-{port}"
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
 def log_dir() -> Path:
     h = _home()
     p = h / "logs" if h else Path(platformdirs.user_log_dir(APP))

@@ -107,6 +107,29 @@ async def test_status_api_pause_switch_and_fencing(isolated_home: Path) -> None:
         assert d.host.term_seen == term
 
 
+async def test_agents_on_other_ports_of_one_machine_each_keep_their_own_node_id(isolated_home: Path) -> None:
+    """Two agents sharing a machine (and its state folder) but not a port are two nodes; each
+    keeps its id across a restart, and the one on the default port keeps the plain folder."""
+    from coordinator.local_cluster import free_port
+
+    ports = [free_port(), free_port()]
+    opts = DaemonOptions(host="127.0.0.1", device="CPU", throttle=False, standalone=True)
+
+    async def ids() -> list[str]:
+        got = []
+        for port in ports:
+            settings = Settings(cluster_id="two", port=port, api_port=0, mdns=False)
+            async with running(settings, opts) as d, aiohttp.ClientSession() as http:
+                r = await http.get(f"http://127.0.0.1:{d.api_port}/v1/node")
+                got.append((await r.json())["node"])
+        return got
+
+    first = await ids()
+    assert first[0] != first[1]
+    assert await ids() == first  # restarted: the same ids
+    assert {p.name for p in (isolated_home / "state").iterdir()} >= {f"port-{p}" for p in ports}
+
+
 def test_a_corrupt_term_file_stops_the_agent_with_a_clear_error(isolated_home: Path) -> None:
     from tests.conftest import run_cli
 
