@@ -310,9 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    from agent.logs import setup_logging
+    from agent.logs import log_name, setup_logging
 
-    setup_logging(args.verbose)
+    setup_logging(args.verbose, log_name(args.cmd, getattr(args, "port", None)))
     try:
         return int(_dispatch(args) or 0)
     except KeyboardInterrupt:

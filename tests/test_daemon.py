@@ -130,6 +130,22 @@ async def test_agents_on_other_ports_of_one_machine_each_keep_their_own_node_id(
     assert {p.name for p in (isolated_home / "state").iterdir()} >= {f"port-{p}" for p in ports}
 
 
+def test_each_agent_process_writes_its_own_log_file(isolated_home: Path) -> None:
+    """An agent on another data port keeps its state and its log apart from the default one's:
+    its corrupt term file stops only it, and says so in its own log file."""
+    from coordinator.local_cluster import free_port
+    from tests.conftest import run_cli
+
+    port = free_port()
+    (isolated_home / "state" / f"port-{port}").mkdir(parents=True)
+    (isolated_home / "state" / f"port-{port}" / "term.json").write_text("{garbage")
+    r = run_cli("agent", "--host", "127.0.0.1", "--port", str(port), "--api-port", "0", "--no-mdns", "--device", "CPU")
+    assert r.returncode == 2 and f"port-{port}" in r.stderr and "term.json is corrupt" in r.stderr
+    log = (isolated_home / "logs" / f"agent-{port}.log").read_text()
+    assert f"agent-{port}[" in log  # every line says which process wrote it
+    assert not (isolated_home / "logs" / "agent.log").exists()
+
+
 def test_a_corrupt_term_file_stops_the_agent_with_a_clear_error(isolated_home: Path) -> None:
     from tests.conftest import run_cli
 
