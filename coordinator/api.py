@@ -25,6 +25,7 @@ from agent.protocol.events import StreamFinished, StreamStarted
 from agent.runtime.tokenizer import ChatTokenizer
 from coordinator.pipeline import PipelineError
 from coordinator.scheduler import GenRequest, Scheduler
+from coordinator.speculative import SpecCounters
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +176,7 @@ class Tally:
     first: float | None = None
     last: float | None = None
     tokens: int = 0
+    spec: SpecCounters = field(default_factory=SpecCounters)  # this answer's speculation
 
     def token(self) -> None:
         now = time.perf_counter()
@@ -194,7 +196,14 @@ class Tally:
         return round((self.tokens - 1) / (self.last - self.first), 2)
 
     def report(self, nodes: list[str]) -> dict[str, Any]:
-        return {"ttft_s": self.ttft_s, "tok_s": self.tok_s, "completion_tokens": self.tokens, "nodes": nodes}
+        spec = self.spec.summary() if self.spec.rounds or self.spec.ring_tokens else None
+        return {
+            "ttft_s": self.ttft_s,
+            "tok_s": self.tok_s,
+            "completion_tokens": self.tokens,
+            "nodes": nodes,
+            "speculation": spec,  # None: this answer was decoded plainly
+        }
 
 
 async def _tokens(
@@ -206,6 +215,7 @@ async def _tokens(
         max_tokens=opts["max_tokens"],
         sampling=SamplingSpec(opts["temperature"], opts["top_p"], opts["seed"]),
         stop_ids=st.tokenizer.stop_ids,
+        spec_counters=tally.spec,
     )
     dec = st.tokenizer.stream()
     stop = StopMatcher(opts["stop"])
@@ -286,6 +296,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                     tally.tok_s,
                     outcome,
                     tuple(st.served_by()),
+                    tally.spec.proposed,
+                    tally.spec.accepted,
                 )
             )
 

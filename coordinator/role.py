@@ -245,6 +245,7 @@ class CoordinatorRole:
             "api": f"{c.api_url}/v1" if c is not None and c.api_url else None,
             "recoveries": list(c.recoveries) if c is not None else [],
             "replans": list(c.replans) if c is not None else [],
+            "speculation": _speculation(c),
             "error": self.error,
         }
 
@@ -272,3 +273,11 @@ def _devices(plan: Plan, addresses: dict[str, str]) -> dict[str, str]:
 
 def _membership(members: list[Member]) -> frozenset[tuple[str, str]]:
     return frozenset((m.offer.node, m.offer.state) for m in members)
+
+
+def _speculation(c: Coordinator | None) -> dict[str, Any] | None:
+    """Every answer's speculation so far (None: this coordinator has no draft)."""
+    spec = c.scheduler.speculator if c is not None and c.scheduler is not None else None
+    if spec is None:
+        return None
+    return {**spec.counters.summary(), "declined": spec.counters.declined}

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from agent.protocol import SamplingSpec
 from coordinator.pipeline import Pipeline, PipelineError, run_token
-from coordinator.speculative import DraftHandle, SpecConfig, Speculator
+from coordinator.speculative import DraftHandle, SpecConfig, SpecCounters, Speculator
 
 log = logging.getLogger(__name__)
 PREFILL_CHUNK = 1024  # the most prompt tokens one frame carries
@@ -40,6 +40,8 @@ class GenRequest:
     spec_k: int | None = None  # fixed draft length for this request (0: no speculation)
     spec_depth: int | None = None  # verify frames in flight (2: draft ahead); None: the speculator's choice
     spec_min_conf: float | None = None  # stop drafting below this confidence (0: never); None: from costs
+    # this request's speculation figures, filled in as it runs (None: not wanted)
+    spec_counters: SpecCounters | None = field(default=None, compare=False)
 
 
 def prefill_chunks(
@@ -197,6 +199,7 @@ class Scheduler:
                     k_override=req.spec_k,
                     depth_override=req.spec_depth,
                     conf_override=req.spec_min_conf,
+                    counters=req.spec_counters,
                 )
                 try:
                     async for tok in gen:

@@ -59,6 +59,18 @@ class SpecCounters:
     def acceptance(self) -> float:
         return self.accepted / self.proposed if self.proposed else 0.0
 
+    def summary(self) -> dict[str, float | int]:
+        """What a user is shown: rounds with drafts, drafts sent, drafts the target kept, their
+        share, the mean K of a drafted round, and tokens decoded plainly round the ring."""
+        return {
+            "rounds": self.rounds,
+            "drafted": self.proposed,
+            "accepted": self.accepted,
+            "acceptance": round(self.acceptance, 3),
+            "mean_k": round(self.proposed / self.rounds, 2) if self.rounds else 0.0,
+            "ring_tokens": self.ring_tokens,
+        }
+
 
 def accept(drafts: Sequence[int], target: Sequence[int]) -> int:
     """How many drafts the target agrees with: the longest prefix with drafts[i] == target[i]."""
@@ -181,6 +193,7 @@ class Speculator:
         k_override: int | None = None,
         depth_override: int | None = None,
         conf_override: float | None = None,
+        counters: SpecCounters | None = None,
     ) -> AsyncGenerator[int, None]:
         """Tokens after the prefill (whose token is ``first``), ``first`` included.
 
@@ -193,8 +206,10 @@ class Speculator:
 
         Where the policy (K=auto) settles on plain decoding, the plain rounds up to its next
         look at speculation run round the ring (``Fwd.auto``), as a plain stream's do: no
-        coordinator hop per token. ``stop`` ids end such a run early.
+        coordinator hop per token. ``stop`` ids end such a run early. ``counters``: this
+        request's own figures (the speculator's own add up every request's).
         """
+        tallies = (self.counters,) if counters is None else (self.counters, counters)
         session = handle.session
         if handle.ready is not None:  # the draft's prefill: not a cost of any round, but of the request
             t0 = time.perf_counter()
@@ -279,8 +294,9 @@ class Speculator:
                     inflight.append((step, len(tokens), len(drafts), time.perf_counter(), alone, conf, note))
                     feed, rollback = [], 0
                     fed += tokens
-                    self.counters.proposed += len(drafts)
-                    self.counters.rounds += 1 if drafts else 0
+                    for c in tallies:
+                        c.proposed += len(drafts)
+                        c.rounds += 1 if drafts else 0
                 if ring > 1:  # plain rounds, round the ring
                     q = await self.pipeline.async_run(
                         stream, feed, start=False, auto=ring - 1, stop=stop, sampling=sampling, rollback=rollback
@@ -296,7 +312,8 @@ class Speculator:
                             self.stats.observe_yield(False, 1, now - last_t)
                             prev = last_t = now
                             ctx.append(t)
-                            self.counters.ring_tokens += 1
+                            for c in tallies:
+                                c.ring_tokens += 1
                             yield t
                             emitted += 1
                             if emitted >= max_tokens or t in stop:
@@ -328,7 +345,8 @@ class Speculator:
                     rollback = len(fed) - (v + 1)
                     feed, fed, v = [t], [], 0
                     break
-                self.counters.accepted += accepted
+                for c in tallies:
+                    c.accepted += accepted
                 self.stats.observe_yield(proposed > 0, yielded, now - last_t)
                 last_t = now
                 if proposed:  # (a frame's last output confirms the next frame's first draft: near enough)

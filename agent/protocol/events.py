@@ -298,6 +298,8 @@ class StreamFinished(Event):
     tok_s: float | None = None  # decode rate after the first token
     outcome: str = "done"  # done | cancelled | error
     nodes: tuple[str, ...] = ()
+    drafted: int = 0  # speculative decoding: drafts sent to the target
+    accepted: int = 0  # ... and kept by it
 
     @classmethod
     def parse(cls, d: dict[str, Any]) -> StreamFinished:
@@ -313,6 +315,8 @@ class StreamFinished(Event):
             _opt_float(d.get("tok_s"), "tok_s", 0.0, 1e7),
             choice_field(d.get("outcome", "done"), "outcome", OUTCOMES),
             tuple(str_field(n, "nodes", 128) for n in nodes),
+            int_field(d.get("drafted", 0), "drafted", 0, 1 << 24),
+            int_field(d.get("accepted", 0), "accepted", 0, 1 << 24),
         )
 
 
