@@ -294,12 +294,17 @@ def test_an_agent_that_hangs_up_on_its_assignment_is_named_with_its_close_code(t
 def test_a_huge_prompt_is_refused_without_holding_up_the_api(served3: Served, megabytes: float) -> None:
     """7.5 MB is refused before tokenizing (it cannot fit); 2 MB must be tokenized to know,
     and that happens off the event loop: other requests are answered meanwhile."""
+    import openai
+
     text = "The quick brown fox jumps over the lazy dog. " * int(megabytes * 2**20 / 45)
+    client = openai.OpenAI(base_url=f"{served3.api_url}/v1", api_key="unused", max_retries=0, timeout=120)
     answer: dict[str, Any] = {}
 
     def post() -> None:
-        body = {"messages": [{"role": "user", "content": text}]}
-        answer["status"], answer["reply"] = post_chat(served3.api_url, body)
+        try:
+            client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": text}])
+        except openai.APIStatusError as e:
+            answer["error"] = e
 
     t = threading.Thread(target=post)
     t0 = time.monotonic()
@@ -307,34 +312,41 @@ def test_a_huge_prompt_is_refused_without_holding_up_the_api(served3: Served, me
     waits = []
     while t.is_alive() and time.monotonic() - t0 < 60:
         s = time.monotonic()
-        with urllib.request.urlopen(f"{served3.api_url}/v1/models", timeout=10) as r:
-            assert r.status == 200
+        assert [m.id for m in client.models.list().data] == ["smollm2-135m"]
         waits.append(time.monotonic() - s)
         time.sleep(0.05)
     t.join(60)
-    assert answer["status"] == 400
-    assert "exceeds the context" in answer["reply"]["error"]["message"]
+    err = answer.get("error")
+    assert isinstance(err, openai.BadRequestError), answer
+    assert "exceeds the context" in err.message
     assert waits and max(waits) < 1.0, f"/v1/models waited {max(waits, default=0):.2f} s"
 
 
 def test_serve_exits_within_a_second_of_sigterm_ending_streams_with_an_error(smollm2) -> None:  # type: ignore[no-untyped-def]
+    import openai
+
     from tests.conftest import Served
 
     s = Served(2, "--model", "smollm2-135m", "--weights", "int8")
     try:
-        body = json.dumps(
-            {"messages": [{"role": "user", "content": "Write a long story."}], "stream": True, "max_tokens": 4000}
-        ).encode()
-        req = urllib.request.Request(f"{s.api_url}/v1/chat/completions", body, {"Content-Type": "application/json"})
-        resp = urllib.request.urlopen(req, timeout=60)
+        client = openai.OpenAI(base_url=f"{s.api_url}/v1", api_key="unused", max_retries=0, timeout=60)
+        stream = client.chat.completions.create(
+            model="smollm2-135m",
+            messages=[{"role": "user", "content": "Write a long story."}],
+            stream=True,
+            max_tokens=4000,
+        )
+        chunks = iter(stream)
         for _ in range(4):
-            assert resp.readline()
+            next(chunks)
         t0 = time.monotonic()
         s.proc.terminate()
         s.proc.wait(timeout=30)
         took = time.monotonic() - t0
-        rest = resp.read().decode(errors="replace")
+        with pytest.raises(openai.APIError) as e:
+            for _ in chunks:  # what was sent before the end, then the error
+                pass
     finally:
         s.stop()
     assert took < 1.0, f"serve took {took:.2f} s to exit after SIGTERM"
-    assert '"error"' in rest and "shutting down" in rest, rest[-500:]
+    assert "shutting down" in e.value.message, e.value.message
