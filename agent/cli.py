@@ -30,6 +30,21 @@ def _positive_int(v: str) -> int:
     return i
 
 
+def _count(what: str) -> Any:
+    """A non-negative integer of ``what`` (0: unlimited)."""
+
+    def parse(v: str) -> int:
+        try:
+            i = int(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of {what} (0: unlimited), got {v!r}") from None
+        if i < 0:
+            raise argparse.ArgumentTypeError(f"expected a number of {what} (0: unlimited), got {v!r}")
+        return i
+
+    return parse
+
+
 def _spec_k(v: str) -> int | None:
     if v == "auto":
         return None
@@ -139,6 +154,16 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--api-host", default="127.0.0.1")
     sv.add_argument("--api-port", type=_port, default=8000)
     sv.add_argument("--api-key", help="required from clients (mandatory when --api-host is not loopback)")
+    sv.add_argument(
+        "--api-rate",
+        type=_count("requests per minute"),
+        help="requests per minute per client, 0: unlimited (default: unlimited on loopback, else 60)",
+    )
+    sv.add_argument(
+        "--api-concurrency",
+        type=_count("requests in flight"),
+        help="requests in flight per client, 0: unlimited (default: unlimited on loopback, else 4)",
+    )
     sv.add_argument("--data-host", default="127.0.0.1", help="address agents reach the coordinator on")
     sv.add_argument("--data-port", type=_port, default=0)
     sv.add_argument("--streams", type=_positive_int, default=4, help="streams in flight at once (micro-batching)")
@@ -450,6 +475,7 @@ def _serve(args: argparse.Namespace) -> int:
     import ipaddress
 
     from agent.models.store import ModelStore
+    from coordinator.limits import MAX_CONCURRENCY, MAX_RATE, resolve
     from coordinator.serve import ServeConfig, run_coordinator
 
     loopback = args.api_host in ("localhost",) or (
@@ -457,6 +483,10 @@ def _serve(args: argparse.Namespace) -> int:
     )
     if not loopback and not args.api_key:
         raise CliError("--api-host is not a loopback address: set --api-key so the API is not open to the network")
+    if args.api_rate is not None and args.api_rate > MAX_RATE:
+        raise CliError(f"--api-rate: at most {MAX_RATE} requests per minute (0: unlimited)")
+    if args.api_concurrency is not None and args.api_concurrency > MAX_CONCURRENCY:
+        raise CliError(f"--api-concurrency: at most {MAX_CONCURRENCY} requests in flight (0: unlimited)")
     if args.link_delay_ms < 0:
         raise CliError("--link-delay-ms must not be negative")
     if args.link_mbps < 0:
@@ -472,6 +502,7 @@ def _serve(args: argparse.Namespace) -> int:
         api_host=args.api_host,
         api_port=args.api_port,
         api_key=args.api_key,
+        api_limits=resolve(loopback, args.api_rate, args.api_concurrency),
         data_host=args.data_host,
         data_port=args.data_port,
         max_streams=args.streams,

@@ -187,7 +187,10 @@ def format_status(node: dict[str, Any], cluster: dict[str, Any]) -> str:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
     sv = cluster.get("services")
     if sv:
-        lines.append(f"coordinator services: {sv['state']} {sv['model']}" + (f", API {sv['api']}" if sv["api"] else ""))
+        api = ""
+        if sv["api"]:
+            api = f", API {sv['api']}" + (f" (limits: {sv['api_limits']})" if sv.get("api_limits") else "")
+        lines.append(f"coordinator services: {sv['state']} {sv['model']}{api}")
         for i, st in enumerate(sv["plan"]):
             a, b = st["layers"]
             lines.append(f"  stage {i}: layers {a}..{b - 1} on {st['node']} ({st['address']})")

@@ -24,6 +24,8 @@ halfway through start-up. Example::
       weights: int8
       api_port: 8000                     # OpenAI-compatible API, 127.0.0.1 on the coordinator
       streams: 4
+      api_rate: 0                        # requests per minute per client (0: unlimited, the default)
+      api_concurrency: 0                 # requests in flight per client (0: unlimited, the default)
 """
 
 from __future__ import annotations
@@ -67,6 +69,10 @@ class Settings:
     serve_api_port: int = 8000
     serve_streams: int = 4
     serve_exact: bool = False  # f32 activations, KV and wire (for parity checks)
+    # the API's limits per client (a member laptop counts as one: see agent/gateway.py); its
+    # API is on 127.0.0.1, reached by members through their agents, so none unless set
+    serve_api_rate: int = 0
+    serve_api_concurrency: int = 0
 
     def with_overrides(self, **kw: Any) -> Settings:
         return replace(self, **{k: v for k, v in kw.items() if v is not None})
@@ -105,6 +111,15 @@ def _port(d: dict[str, Any], key: str, default: int) -> int:
     return v
 
 
+def _count(d: dict[str, Any], key: str, what: str, most: int) -> int:
+    v = d.get(key, 0)
+    if v is None:
+        return 0
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= most:
+        raise ConfigError(f"serve.{key}: {v!r} is not a number of {what} (0-{most}; 0: unlimited)")
+    return v
+
+
 def _nodes(v: Any, key: str) -> tuple[str, ...]:
     if v is None:
         return ()
@@ -120,6 +135,7 @@ def _section(d: dict[str, Any], key: str) -> dict[str, Any]:
     return v
 
 
+SERVE_KEYS = {"model", "weights", "api_port", "streams", "api_rate", "api_concurrency"}
 KNOWN = {
     "cluster_id",
     "port",
@@ -145,7 +161,12 @@ def parse(d: Any) -> Settings:
     unknown = set(d) - KNOWN
     if unknown:
         raise ConfigError(f"unknown setting(s): {', '.join(sorted(map(str, unknown)))}")
+    from coordinator.limits import MAX_CONCURRENCY, MAX_RATE
+
     disc, elec, serve = _section(d, "discovery"), _section(d, "election"), _section(d, "serve")
+    unknown = set(serve) - SERVE_KEYS
+    if unknown:
+        raise ConfigError(f"serve: unknown setting(s): {', '.join(sorted(map(str, unknown)))}")
     model, weights, streams = serve.get("model"), serve.get("weights"), serve.get("streams", 4)
     if model is not None and (not isinstance(model, str) or not model):
         raise ConfigError("serve.model: must be a model name or a path")
@@ -196,6 +217,8 @@ def parse(d: Any) -> Settings:
         serve_weights=weights,
         serve_api_port=_port(serve, "api_port", 8000),
         serve_streams=streams,
+        serve_api_rate=_count(serve, "api_rate", "requests per minute", MAX_RATE),
+        serve_api_concurrency=_count(serve, "api_concurrency", "requests in flight", MAX_CONCURRENCY),
     )
 
 

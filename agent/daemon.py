@@ -62,6 +62,8 @@ RESTART_KEYS = (
     "serve_weights",
     "serve_api_port",
     "serve_streams",
+    "serve_api_rate",
+    "serve_api_concurrency",
     "models_dir",
 )
 
@@ -258,6 +260,7 @@ class AgentDaemon:
 
     async def _coordinate(self) -> None:
         """Run the coordinator's services while this node is the elected coordinator."""
+        from coordinator.limits import TOTAL_INFLIGHT, Limits
         from coordinator.role import CoordinatorRole
 
         e = self.elector
@@ -277,6 +280,7 @@ class AgentDaemon:
                     weights=s.serve_weights,
                     api_port=s.serve_api_port,
                     streams=s.serve_streams,
+                    api_limits=Limits(s.serve_api_rate, s.serve_api_concurrency, TOTAL_INFLIGHT),
                     exact=s.serve_exact,
                     term=term,
                     my_address=f"{self._my_ip()}:{self.me.port}",

@@ -10,7 +10,10 @@ own agent (127.0.0.1); the agent forwards to the coordinator:
   cluster's members only (loopback and live peers' addresses) and forwards them locally.
 
 A client that goes away mid-answer closes the forwarded request too, so the coordinator
-cancels the generation on every stage. When no coordinator is reachable the answer is an
+cancels the generation on every stage. Each hop names the address it received the request
+from in ``X-Forwarded-For``, which the coordinator trusts from loopback only: its request
+limits then count a member laptop (everyone on it together) as one client, and the
+coordinator laptop's own users as 127.0.0.1. When no coordinator is reachable the answer is an
 OpenAI-style JSON error (503, ``no_coordinator``), and the event relay says
 ``coordinator_lost`` and follows the next coordinator when one is elected.
 """
@@ -88,11 +91,15 @@ async def async_forward(request: web.Request, url: str, session: aiohttp.ClientS
     """Forward ``request`` to ``url`` and stream the answer back as it comes."""
     body = await request.read()
     headers = {k: request.headers[k] for k in FORWARD_HEADERS if k in request.headers}
+    # who asked, for the coordinator's per-client limits: the address this request came from
+    # (a client's own X-Forwarded-For is not passed on: only the hop that saw it may say)
+    if request.remote:
+        headers["X-Forwarded-For"] = request.remote
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=None)
     try:
         async with session.request(request.method, url, data=body, headers=headers, timeout=timeout) as up:
             out = web.StreamResponse(status=up.status, reason=up.reason)
-            for k in ("Content-Type", "Cache-Control"):
+            for k in ("Content-Type", "Cache-Control", "Retry-After"):
                 if k in up.headers:
                     out.headers[k] = up.headers[k]
             await out.prepare(request)

@@ -1,7 +1,9 @@
 """OpenAI-compatible API: ``/v1/models`` and ``/v1/chat/completions`` (with SSE streaming).
 
-Listens on 127.0.0.1 unless configured otherwise; then a key is required. A client that
-disconnects mid-stream cancels its generation and frees its stream on every stage.
+Listens on 127.0.0.1 unless configured otherwise; then a key is required. Requests are
+limited per client (rate and concurrency, :mod:`coordinator.limits`) after authentication:
+over a limit is a 429 with a ``Retry-After`` header. A client that disconnects mid-stream
+cancels its generation, frees its stream on every stage and its concurrency slot.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from agent.gateway import json_errors
 from agent.protocol import SamplingSpec
 from agent.protocol.events import StreamFinished, StreamStarted
 from agent.runtime.tokenizer import ChatTokenizer
+from coordinator.limits import Limiter, Refusal, client_key
 from coordinator.pipeline import PipelineError
 from coordinator.scheduler import GenRequest, Scheduler
 from coordinator.speculative import SpecCounters
@@ -40,6 +43,7 @@ class ApiState:
     context_limit: int = 32768
     events: EventHub | None = None  # the cluster event stream (streams started and finished)
     served_by: Callable[[], list[str]] = field(default=lambda: [])  # the plan's nodes, in stage order
+    limiter: Limiter | None = None  # request limits per client (None: none)
 
 
 STATE = web.AppKey("api_state", ApiState)
@@ -62,6 +66,42 @@ async def auth_middleware(request: web.Request, handler: Any) -> web.StreamRespo
             return _error(401, "missing or wrong API key", "authentication_error", "invalid_api_key")
     response: web.StreamResponse = await handler(request)
     return response
+
+
+# what the limits count: every path toward the rate, chat completions toward concurrency too
+# (the event stream is long-lived and cheap: neither)
+LIMITED = {"/v1/models": False, "/v1/chat/completions": True}
+
+
+def _refused(r: Refusal) -> web.Response:
+    resp = _error(429, r.message, "rate_limit_error", r.code)
+    resp.headers["Retry-After"] = str(r.retry_after)
+    return resp
+
+
+@web.middleware
+async def limit_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """After authentication: the client's rate, and a concurrency slot for a chat completion,
+    held until its answer ends (a stream's last chunk, or the client leaving: aiohttp then
+    cancels the handler, and the slot comes back here)."""
+    lim = request.app[STATE].limiter
+    hold = LIMITED.get(request.path)
+    if lim is None or hold is None:
+        response: web.StreamResponse = await handler(request)
+        return response
+    client = client_key(request.remote, request.headers.get("X-Forwarded-For"))
+    refusal = lim.admit(client, hold=hold)
+    if refusal is not None:
+        log.info("%s %s from %s refused: %s", request.method, request.path, client, refusal.code)
+        return _refused(refusal)
+    if not hold:
+        response = await handler(request)
+        return response
+    try:
+        response = await handler(request)
+        return response
+    finally:
+        lim.release(client)
 
 
 async def models(request: web.Request) -> web.Response:
@@ -372,7 +412,7 @@ async def _stream(
 
 
 def make_api_app(state: ApiState) -> web.Application:
-    app = web.Application(middlewares=[json_errors, auth_middleware], client_max_size=8 * 1024 * 1024)
+    app = web.Application(middlewares=[json_errors, auth_middleware, limit_middleware], client_max_size=8 * 1024 * 1024)
     app[STATE] = state
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat_completions)

@@ -26,6 +26,7 @@ from agent.export.exporter import ExportOptions
 from agent.models.registry import REGISTRY
 from agent.models.store import ModelStore
 from agent.protocol.events import ClusterView, NodeInfo
+from coordinator.limits import TOTAL_INFLIGHT, Limits
 from coordinator.planner import NodeOffer, Plan, PlanError, footprint, plan_pipeline
 from coordinator.serve import Coordinator, ServeConfig
 
@@ -56,10 +57,12 @@ class CoordinatorRole:
         members: Any,  # () -> list[Member]: the nodes heard right now, this one included
         nodes: Callable[[], list[NodeInfo]] = lambda: [],  # the same, as node maps show them
         cluster: str = "default",
+        api_limits: Limits | None = None,  # per client (None: only the cap on requests in flight)
     ) -> None:
         self.model_ref, self.weights, self.api_port = model, weights, api_port
         self.streams, self.exact, self.term = streams, exact, term
         self.my_address = my_address
+        self.api_limits = api_limits or Limits(total=TOTAL_INFLIGHT)
         self.members = members
         self.coordinator: Coordinator | None = None
         self.plan: Plan | None = None
@@ -114,13 +117,20 @@ class CoordinatorRole:
                 home=self.my_address,
                 events=self.hub,
                 cluster_id=self.cluster,
+                api_limits=self.api_limits,
             )
             self.coordinator = Coordinator(cfg)
             self.coordinator.node_ids = {a: n for n, a in self.addresses.items()}
             self.coordinator.node_devices = _devices(self.plan, self.addresses)
             await self.coordinator.async_start()
             self.state = "serving"
-            log.info("serving %s on %d node(s); API %s/v1", model.name, len(nodes), self.coordinator.api_url)
+            log.info(
+                "serving %s on %d node(s); API %s/v1; limits: %s",
+                model.name,
+                len(nodes),
+                self.coordinator.api_url,
+                self.api_limits.describe(),
+            )
             await self._watch(fp, _membership(members))
         except asyncio.CancelledError:
             raise
@@ -243,6 +253,7 @@ class CoordinatorRole:
             "term": self.term,
             "plan": stages,
             "api": f"{c.api_url}/v1" if c is not None and c.api_url else None,
+            "api_limits": self.api_limits.describe(),
             "recoveries": list(c.recoveries) if c is not None else [],
             "replans": list(c.replans) if c is not None else [],
             "speculation": _speculation(c),

@@ -35,6 +35,7 @@ from agent.stage_host import OPTIONAL_FILES, STAGE_FILES
 from coordinator.api import ApiState, make_api_app
 from coordinator.calibration import CalibrationStore, fit_head_layers, propose, stage_time
 from coordinator.drafting import load_drafter
+from coordinator.limits import TOTAL_INFLIGHT, Limiter, Limits
 from coordinator.pipeline import Pipeline, PipelineError, StagePlacement
 from coordinator.planner import PlanError, balanced_split, model_costs, split_from_cuts
 from coordinator.scheduler import Scheduler
@@ -57,6 +58,8 @@ class ServeConfig:
     api_host: str = "127.0.0.1"
     api_port: int = 8000
     api_key: str | None = None
+    # request limits per client (see coordinator/limits.py; the CLI resolves its defaults)
+    api_limits: Limits = field(default_factory=lambda: Limits(total=TOTAL_INFLIGHT))
     data_host: str = "127.0.0.1"
     data_port: int = 0
     advertise_host: str | None = None
@@ -226,6 +229,7 @@ class Coordinator:
             api_key=cfg.api_key,
             events=self.hub,
             served_by=self.served_by,
+            limiter=Limiter(cfg.api_limits) if cfg.api_limits.any else None,
         )
         if self._own_hub:
             self.hub.start()
@@ -450,7 +454,9 @@ def run_coordinator(cfg: ServeConfig) -> None:
             if start.done():
                 start.result()  # a failed start raises here
                 print(
-                    f"lakeshard: serving {cfg.model.name} on {len(cfg.nodes)} nodes; API {coord.api_url}/v1", flush=True
+                    f"lakeshard: serving {cfg.model.name} on {len(cfg.nodes)} nodes; API {coord.api_url}/v1; "
+                    f"limits: {cfg.api_limits.describe()}",
+                    flush=True,
                 )
                 await stopping
             else:
