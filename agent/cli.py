@@ -142,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     from agent.cli_agent import add_parsers
 
     add_parsers(sub, _port, _positive_int)
+    from agent.cli_cluster import add_parsers as add_cluster_parsers
+
+    add_cluster_parsers(sub)
     from gui.app import add_parser as add_tray_parser
 
     add_tray_parser(sub)
@@ -376,6 +379,14 @@ def _dispatch(args: argparse.Namespace) -> int:
         try:
             return run_agent(args) if args.cmd == "agent" else run_status(args)
         except AgentCliError as e:
+            raise CliError(str(e)) from None
+    if args.cmd == "cluster":
+        from agent.cli_cluster import run_cluster
+        from agent.security import SecurityError
+
+        try:
+            return run_cluster(args)
+        except SecurityError as e:
             raise CliError(str(e)) from None
     if args.cmd == "tray":
         try:

@@ -2,7 +2,8 @@
 
 One process, one event loop, four parts:
 
-* the stage server (:mod:`agent.server`) on the public port (TCP): websockets for the ring;
+* the stage server (:mod:`agent.server`) on the public port (TCP): websockets for the ring,
+  and the cluster identity routes (:mod:`agent.security.routes`: the CA, joining, revocations);
 * peer messages on the same port number (UDP): beats, votes and fencing (:mod:`agent.elector`);
 * mDNS advertisement and browsing (:mod:`agent.discovery`), unless switched off, plus the
   static peers from the settings;
@@ -43,6 +44,7 @@ from agent.identity import TermStore, node_id
 from agent.local_api import make_local_app
 from agent.paths import agent_state_dir, log_dir
 from agent.protocol.events import NodeInfo
+from agent.security.routes import add_cluster_routes, membership
 from agent.server import make_app
 from agent.stage_host import StageHost
 from agent.throttle.controller import Contribution
@@ -119,6 +121,8 @@ class AgentDaemon:
     async def async_start(self) -> None:
         self.session = aiohttp.ClientSession()
         public = make_app(self.host, status=self.node_status)
+        add_cluster_routes(public)  # cluster identity: the CA, joining, the revocation list
+        log.info("%s", membership(self.node))
         if not self.opts.standalone:
             add_member_routes(public, self)
         try:

@@ -1,0 +1,22 @@
+"""Cluster identity: a cluster CA, node certificates, join tokens and a signed revocation list.
+
+Everything lives in ``config_dir()/security/`` (see :mod:`agent.security.files`):
+
+* ``ca.crt``: the cluster's CA certificate; the cluster id is its fingerprint
+  (:func:`agent.security.pki.cluster_id_of`);
+* ``ca.key``: the CA's private key, only on the node(s) that hold the CA (0600);
+* ``node.key`` / ``node.crt``: this node's key pair (made here, never sent) and its certificate
+  (CN = node id, O = cluster id), signed by the CA;
+* ``revoked.json``: the revocation list, signed by the CA key (any member can check it);
+* ``invites.json``: on a CA holder, the outstanding join tokens (a key derived from each secret,
+  never the secret itself);
+* ``member.json``: how this node joined (which node signed its certificate, and when).
+
+What other parts use: :class:`agent.security.credentials.Credentials` (TLS contexts, peer
+identity, signatures) and the operations in :mod:`agent.security.cluster` (what the CLI and the
+tray's settings call).
+"""
+
+from agent.security.errors import JoinError, SecurityError
+
+__all__ = ["JoinError", "SecurityError"]
