@@ -193,6 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="once every stage has timed its steps, re-split the layers by those times (kept for later plans)",
     )
+    sv.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plaintext links to the agents even with cluster credentials (benchmarks, tests); logged loudly",
+    )
 
     ch = sub.add_parser("chat", help="chat in the terminal with a coordinator's API")
     ch.add_argument("--url", default="http://127.0.0.1:8000", help="the coordinator's API base URL")
@@ -504,6 +509,13 @@ def _serve(args: argparse.Namespace) -> int:
         raise CliError("--link-mbps must not be negative")
     if args.spec_k is not None and not args.draft:
         raise CliError("--spec-k needs --draft (a draft model, NAME+lookup, or lookup)")
+    from agent.security import transport
+    from agent.security.errors import SecurityError
+
+    try:  # node links: mutual TLS with this node's cluster credentials, if it has any
+        transport.use(transport.choose(args.insecure))
+    except SecurityError as e:
+        raise CliError(str(e)) from None
     model = ModelStore().resolve(args.model)
     cfg = ServeConfig(
         nodes=args.nodes,

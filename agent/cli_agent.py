@@ -52,6 +52,11 @@ def add_parsers(sub: Any, port_type: Any, positive_int: Any) -> None:
         help="yield to this laptop's user, heat and battery as the settings' throttle section says (on), "
         "or never (off: local test clusters, where the other agents would count as the user's programs)",
     )
+    ag.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plaintext links between nodes even with cluster credentials (benchmarks, tests); logged loudly",
+    )
     st = sub.add_parser("status", help="show this node, its peers and the coordinator, as the local agent sees them")
     st.add_argument("--api-port", type=port_type, default=None, help="the local agent's status API port")
     st.add_argument("--json", action="store_true", help="print the raw JSON of /v1/node and /v1/cluster")
@@ -89,6 +94,7 @@ def run_agent(args: argparse.Namespace) -> int:
     set_file_level(settings.log_level)
     from agent.identity import StateError
     from agent.runtime.device import choose_device
+    from agent.security.errors import SecurityError
 
     choose_device(args.device)
     opts = DaemonOptions(
@@ -99,10 +105,11 @@ def run_agent(args: argparse.Namespace) -> int:
         head_help=args.head_help,
         standalone=args.standalone,
         throttle=args.throttle != "off",
+        insecure=args.insecure,
     )
     try:
         run_daemon(settings, opts, args.config)
-    except (StateError, OSError) as e:
+    except (StateError, OSError, SecurityError) as e:
         raise AgentCliError(str(e)) from None
     return 0
 

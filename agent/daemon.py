@@ -4,6 +4,8 @@ One process, one event loop, four parts:
 
 * the stage server (:mod:`agent.server`) on the public port (TCP): websockets for the ring,
   and the cluster identity routes (:mod:`agent.security.routes`: the CA, joining, revocations);
+  mutual TLS when this node has cluster credentials (:mod:`agent.security.transport`), else
+  plaintext with a loud warning (and always with ``--insecure``);
 * peer messages on the same port number (UDP): beats, votes and fencing (:mod:`agent.elector`);
 * mDNS advertisement and browsing (:mod:`agent.discovery`), unless switched off, plus the
   static peers from the settings;
@@ -25,6 +27,7 @@ import ipaddress
 import logging
 import signal
 import socket
+import ssl
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -44,6 +47,7 @@ from agent.identity import TermStore, node_id
 from agent.local_api import make_local_app
 from agent.paths import agent_state_dir, log_dir
 from agent.protocol.events import NodeInfo
+from agent.security import transport
 from agent.security.routes import add_cluster_routes, membership
 from agent.server import make_app
 from agent.stage_host import StageHost
@@ -79,6 +83,7 @@ class DaemonOptions:
     head_help: str = "auto"  # "auto", "on" or "off"
     standalone: bool = False
     throttle: bool = True  # follow the throttle policy (settings: throttle.enabled); off for local clusters
+    insecure: bool = False  # plaintext node links even when this node has cluster credentials
     timing: Timing = field(default_factory=Timing)
 
 
@@ -86,8 +91,27 @@ class AgentDaemon:
     def __init__(self, settings: Settings, opts: DaemonOptions, config_path: Any = None) -> None:
         self.settings, self.opts = settings, opts
         self.config_path = config_path  # the settings file it was started with (None: the default)
+        # node links: mutual TLS when this node has cluster credentials (chosen once, here)
+        self.transport = transport.use(transport.choose(opts.insecure))
+        creds = self.transport.creds
+        if creds is not None and settings.cluster_id != creds.cluster_id:
+            if settings.cluster_id != "default":
+                log.warning(
+                    "the settings' cluster_id %r is not this node's cluster: using %s (from its certificate)",
+                    settings.cluster_id,
+                    creds.cluster_id,
+                )
+            settings = replace(settings, cluster_id=creds.cluster_id)
+            self.settings = settings
         folder = agent_state_dir(settings.port)  # several agents on one machine: one each
         self.node = node_id(folder)
+        if creds is not None and creds.node_id != self.node:
+            log.warning(
+                "this agent is node %s but its certificate names node %s (made for another port?): members "
+                "will not accept it as their coordinator; join again with a new token ('cluster join --force')",
+                self.node,
+                creds.node_id,
+            )
         # standalone agents take their term from a 'serve' coordinator, not from an election
         self.store = TermStore(folder, persist=not opts.standalone)
         self.host = StageHost(device=opts.device, threads=opts.threads, spin_ms=opts.spin_ms, head_help=opts.head_help)
@@ -119,14 +143,14 @@ class AgentDaemon:
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def async_start(self) -> None:
-        self.session = aiohttp.ClientSession()
-        public = make_app(self.host, status=self.node_status)
+        self.session = transport.current().session()
+        public = make_app(self.host, status=self.node_status, middlewares=[transport.peer_middleware])
         add_cluster_routes(public)  # cluster identity: the CA, joining, the revocation list
         log.info("%s", membership(self.node))
         if not self.opts.standalone:
             add_member_routes(public, self)
         try:
-            self.me.port = await self._serve(public, self.opts.host, self.settings.port)
+            self.me.port = await self._serve(public, self.opts.host, self.settings.port, transport.current().server_ssl)
         except OSError as e:
             raise OSError(
                 f"the data port {self.opts.host}:{self.settings.port} is taken ({e.strerror or e}); another agent may "
@@ -160,12 +184,14 @@ class AgentDaemon:
         if self.elector is not None:
             self._tasks.append(asyncio.create_task(self._coordinate()))
 
-    async def _serve(self, app: web.Application, host: str, port: int) -> int:
+    async def _serve(
+        self, app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None
+    ) -> int:
         """Serve ``app``; returns the port it got (``port`` 0: any free one)."""
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         self._runners.append(runner)
-        await web.TCPSite(runner, host, port).start()
+        await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
         return int(runner.addresses[-1][1])
 
     async def async_shutdown(self) -> None:
@@ -487,9 +513,11 @@ async def _started(d: AgentDaemon) -> AgentDaemon:
 
 async def _main(settings: Settings, opts: DaemonOptions, config_path: Any = None) -> None:
     d = await _started(AgentDaemon(settings, opts, config_path))
-    mode = "standalone" if opts.standalone else f"cluster {settings.cluster_id}"
+    mode = "standalone" if opts.standalone else f"cluster {d.settings.cluster_id}"
+    links = "TLS" if d.transport.secure else "PLAINTEXT"
     print(
-        f"lakeshard agent {d.node} ({mode}) listening on {opts.host}:{d.me.port}, status API on 127.0.0.1:{d.api_port}",
+        f"lakeshard agent {d.node} ({mode}) listening on {opts.host}:{d.me.port} ({links}), "
+        f"status API on 127.0.0.1:{d.api_port}",
         flush=True,
     )
     stop = asyncio.Event()

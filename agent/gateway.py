@@ -33,6 +33,8 @@ from aiohttp import web
 
 from agent.eventstream import HEARTBEAT_S, EventHub, HubClosed, async_serve_events
 from agent.protocol.events import MAX_EVENT_BYTES, CoordinatorLost
+from agent.security import transport
+from agent.security.errors import SecurityError
 
 log = logging.getLogger(__name__)
 RECHECK_S = 0.25  # how often a relay looks for a (new) coordinator
@@ -117,6 +119,18 @@ async def async_forward(request: web.Request, url: str, session: aiohttp.ClientS
         return api_error(503, f"the coordinator did not answer: {e}", "no_coordinator")
 
 
+async def _not_node(address: str, node: str) -> str | None:
+    """Why the node serving ``address`` is not ``node`` by its certificate (None: it is, or the
+    links are plaintext and there is nothing to check)."""
+    try:
+        seen = await transport.current().node_at(address)
+    except SecurityError as e:
+        return f"the coordinator at {address} is refused: {e}"
+    if seen is not None and seen != node:
+        return f"the coordinator is node {node}, but the certificate at {address} names node {seen}"
+    return None
+
+
 async def _to_coordinator(request: web.Request, *, from_peer: bool) -> web.StreamResponse:
     door = request.app[DOOR]
     t = door.coordinator_target()
@@ -125,7 +139,11 @@ async def _to_coordinator(request: web.Request, *, from_peer: bool) -> web.Strea
     if t.peer is not None:
         if from_peer:  # a member asked us, but we no longer coordinate: it will find the new one
             return _no_coordinator()
-        return await async_forward(request, f"http://{t.peer}{request.rel_url}", door.session)
+        wrong = await _not_node(t.peer, t.node)
+        if wrong is not None:
+            log.warning("refused to forward %s: %s", request.path, wrong)
+            return api_error(502, wrong, "wrong_coordinator")
+        return await async_forward(request, transport.current().url(t.peer, str(request.rel_url)), door.session)
     if t.api is None:
         return api_error(503, t.not_ready or "the coordinator has no model to serve", "not_serving")
     return await async_forward(request, f"{t.api}{request.rel_url}", door.session)
@@ -235,7 +253,7 @@ async def _relay_peer(ws: web.WebSocketResponse, t: Target, door: Door, gone: as
     assert t.peer is not None and door.session is not None
     try:
         async with door.session.ws_connect(
-            f"http://{t.peer}/v1/cluster/events",
+            transport.current().url(t.peer, "/v1/cluster/events"),
             heartbeat=HEARTBEAT_S,
             max_msg_size=MAX_EVENT_BYTES,
             timeout=aiohttp.ClientWSTimeout(ws_close=2.0),

@@ -20,6 +20,8 @@ import aiohttp
 
 from agent import frametrace
 from agent.protocol import MAX_FRAME
+from agent.security import transport
+from agent.security.errors import SecurityError
 
 log = logging.getLogger(__name__)
 
@@ -67,19 +69,26 @@ class Link:
         self._closed = False
 
     async def async_connect(self) -> None:
-        self._session = aiohttp.ClientSession()
+        self._session = transport.current().session()
         deadline = time.monotonic() + self._connect_timeout
         while True:
             try:
                 self._ws = await self._session.ws_connect(
                     self.url, heartbeat=HEARTBEAT_S, max_msg_size=MAX_FRAME, compress=0
                 )
-                break
             except (aiohttp.ClientError, OSError) as e:
                 if time.monotonic() > deadline:
                     await self._session.close()
                     raise LinkClosed(f"cannot connect to {self.url}: {e}") from e
                 await asyncio.sleep(0.1)
+                continue
+            try:
+                transport.current().check_server(self._ws)
+                break
+            except SecurityError as e:
+                await self._ws.close()
+                await self._session.close()
+                raise LinkClosed(f"refusing the node at {self.url}: {e}") from e
         self._tasks = [asyncio.create_task(self._sender()), asyncio.create_task(self._receiver())]
 
     async def async_send(self, frame: bytes) -> None:

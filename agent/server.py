@@ -14,7 +14,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 import aiohttp
@@ -399,9 +399,11 @@ async def node_handler(request: web.Request) -> web.Response:
     return web.json_response(request.app[STATUS]())
 
 
-def make_app(host: StageHost, status: Callable[[], dict[str, Any]] | None = None) -> web.Application:
+def make_app(
+    host: StageHost, status: Callable[[], dict[str, Any]] | None = None, middlewares: Sequence[Any] = ()
+) -> web.Application:
     """The public app: the stage websocket and a read-only ``/v1/node`` (``status`` or the stage's)."""
-    app = web.Application(client_max_size=MAX_FRAME)
+    app = web.Application(client_max_size=MAX_FRAME, middlewares=list(middlewares))
     app[HOST] = host
     app[STATUS] = status or host.status
     app.router.add_get("/ws", ws_handler)

@@ -29,6 +29,7 @@ from agent.protocol import Assign, Assigned, Fwd, Head, HeadTop, Ids, Message, P
 from agent.runtime.device import DeviceError, assigned_device, choose_device
 from agent.runtime.sampling import Sampling, choose_token
 from agent.runtime.stage import Stage, StageError, Stream
+from agent.security import transport
 
 log = logging.getLogger(__name__)
 MAX_STREAMS = 256
@@ -149,7 +150,7 @@ class StageHost:
         part = dest.parent / f".partial-{msg.manifest_sha256[:32]}"
         part.mkdir(exist_ok=True)
         try:
-            async with aiohttp.ClientSession() as s:
+            async with transport.current().session() as s:
                 base = msg.artifacts_url.rstrip("/")
                 (part / "manifest.json").unlink(missing_ok=True)
                 await self._fetch(s, f"{base}/manifest.json", part / "manifest.json", msg.link_mbps)

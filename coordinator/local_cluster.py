@@ -41,10 +41,20 @@ class LocalCluster:
         throttle: bool = False,
         agent_envs: Sequence[dict[str, str]] | None = None,
         config: str | Sequence[str] | None = None,
+        ports: Sequence[int] | None = None,
+        secure: bool = False,
     ) -> None:
         """``elect``: run full agents (election, no multicast, loopback peers) with these extra
         arguments, instead of standalone stage servers driven by a ``serve`` coordinator.
-        ``agent_args``: more ``lakeshard agent`` arguments for every agent (e.g. ``--spin-ms 0``)."""
+        ``agent_args``: more ``lakeshard agent`` arguments for every agent (e.g. ``--spin-ms 0``).
+        ``ports``: the agents' data ports (default: free ones).
+        ``secure``: each agent uses the cluster credentials in its home (TLS between nodes); by
+        default local clusters are plaintext (``--insecure``), like the in-process coordinators
+        of tests and benchmarks, whatever credentials the user's own home holds."""
+        if ports is not None and len(ports) != n:
+            raise ValueError("one port per agent")
+        self._fixed_ports = list(ports) if ports is not None else None
+        self.secure = secure
         if cores is not None and len(cores) != n:
             raise ValueError("one core set per agent")
         self.n = n
@@ -71,7 +81,7 @@ class LocalCluster:
         return [f"127.0.0.1:{p}" for p in self.ports]
 
     def start(self, timeout: float = 60.0) -> LocalCluster:
-        ports = [free_port() for _ in range(self.n)]
+        ports = self._fixed_ports or [free_port() for _ in range(self.n)]
         self.api_ports = [free_port() for _ in range(self.n)] if self.elect is not None else []
         for i in range(self.n):
             port = ports[i]
@@ -90,6 +100,8 @@ class LocalCluster:
                 cmd += ["--device", devs[i % len(devs)]]
             if not self.throttle:
                 cmd += ["--throttle", "off"]
+            if not self.secure:
+                cmd.append("--insecure")
             cmd += self.agent_args
             if self.names is not None:
                 cmd += ["--name", self.names[i]]

@@ -39,6 +39,8 @@ from agent.protocol import (
     decode,
     encode,
 )
+from agent.security import transport
+from agent.security.errors import SecurityError
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +110,7 @@ class Pipeline:
 
     # -- set-up ------------------------------------------------------------------------------
     async def async_start(self, timeout: float = 300.0) -> None:
-        self._session = aiohttp.ClientSession()
+        self._session = transport.current().session()
         n = len(self.placements)
         # Every control connection is read from the start: an agent that was assigned first must
         # have its heartbeat pings answered while the next one downloads and compiles its stage.
@@ -119,9 +121,10 @@ class Pipeline:
             self._watchers.append(asyncio.create_task(self._watch_control(i, p.node, ws)))
         # Assign the last stage first: each stage connects to its next hop when assigned.
         self.assigned = [None] * n  # type: ignore[list-item]
+        tr = transport.current()
         for i in reversed(range(n)):
             p = self.placements[i]
-            nxt = f"ws://{self.placements[i + 1].node}/ws" if i + 1 < n else self.return_url
+            nxt = tr.url(self.placements[i + 1].node, "/ws", ws=True) if i + 1 < n else self.return_url
             msg = Assign(
                 term=self.term,
                 export_id=self.export_id,
@@ -135,7 +138,7 @@ class Pipeline:
                 exact=self.exact,
                 link_delay_ms=self.link_delay_ms,
                 link_mbps=self.link_mbps,
-                loop_hop=f"ws://{self.placements[0].node}/ws" if i == n - 1 and n > 1 else None,
+                loop_hop=tr.url(self.placements[0].node, "/ws", ws=True) if i == n - 1 and n > 1 else None,
                 device=p.device,
             )
             reply: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
@@ -149,7 +152,7 @@ class Pipeline:
             log.info("stage %d on %s (%s), ready in %.1fs", i, p.node, got.device, got.compile_s)
         if self.lost is not None:  # an agent assigned earlier died while a later one was set up
             raise PipelineError(f"the agent at {self.lost} is gone", "node_lost")
-        first = f"ws://{self.placements[0].node}/ws"
+        first = transport.current().url(self.placements[0].node, "/ws", ws=True)
         wan = not self.home_first
         self._link = Link(
             first,
@@ -164,13 +167,20 @@ class Pipeline:
         deadline = time.monotonic() + min(timeout, 60.0)
         while True:
             try:
-                return await self._session.ws_connect(
-                    f"http://{node}/ws", heartbeat=HEARTBEAT_S, max_msg_size=MAX_FRAME, compress=0
+                ws = await self._session.ws_connect(
+                    transport.current().url(node, "/ws"), heartbeat=HEARTBEAT_S, max_msg_size=MAX_FRAME, compress=0
                 )
             except (aiohttp.ClientError, OSError) as e:
                 if time.monotonic() > deadline:
                     raise PipelineError(f"cannot reach the agent at {node}: {e}", "unreachable") from e
                 await asyncio.sleep(0.2)
+                continue
+            try:
+                transport.current().check_server(ws)
+            except SecurityError as e:
+                await ws.close()
+                raise PipelineError(f"refusing the agent at {node}: {e}", "refused") from e
+            return ws
 
     async def _watch_control(self, i: int, node: str, ws: aiohttp.ClientWebSocketResponse) -> None:
         """An agent's replies to its assignment, its errors, and its death: the control connection

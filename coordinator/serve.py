@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import sys
 import time
 from collections.abc import Sequence
@@ -31,6 +32,7 @@ from agent.models.store import LocalModel
 from agent.protocol import MAX_FRAME
 from agent.protocol.events import ClusterView, Failover, NodeInfo
 from agent.runtime.tokenizer import ChatTokenizer
+from agent.security import transport
 from agent.stage_host import OPTIONAL_FILES, STAGE_FILES
 from coordinator.api import ApiState, make_api_app
 from coordinator.calibration import CalibrationStore, fit_head_layers, propose, stage_time
@@ -110,8 +112,8 @@ async def _usable(node: str, paused: set[str], timeout: float = 1.0) -> bool:
 async def _not_paused(node: str, timeout: float) -> bool:
     try:
         async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s,
-            s.get(f"http://{node}/v1/node") as r,
+            transport.current().session(timeout=aiohttp.ClientTimeout(total=timeout)) as s,
+            s.get(transport.current().url(node, "/v1/node")) as r,
         ):
             st = await r.json()
     except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
@@ -171,7 +173,8 @@ class Coordinator:
         self._host = cfg.advertise_host or (
             cfg.data_host if cfg.data_host not in ("0.0.0.0", "::") else socket.gethostname()
         )
-        data_app = web.Application(client_max_size=MAX_FRAME)
+        # node traffic (the ring's return, stage files): TLS with peer certificates when secure
+        data_app = web.Application(client_max_size=MAX_FRAME, middlewares=[transport.peer_middleware])
 
         async def ring(request: web.Request) -> web.WebSocketResponse:
             ws = web.WebSocketResponse(heartbeat=HEARTBEAT_S, max_msg_size=MAX_FRAME, compress=False)
@@ -192,7 +195,7 @@ class Coordinator:
 
         data_app.router.add_get("/ring", ring)
         data_app.router.add_get(r"/artifacts/{export}/{stage:\d+}/{name}", artifact)
-        await self._site(data_app, cfg.data_host, self._data_port)
+        await self._site(data_app, cfg.data_host, self._data_port, transport.current().server_ssl)
         self.pipeline = await self._build(cfg.nodes, cfg.split)
         spec = None
         if cfg.draft:
@@ -256,8 +259,8 @@ class Coordinator:
                 for n, d in zip(nodes, export.stage_dirs(), strict=True)
             ],
             export_id=export_id,
-            return_url=f"ws://{self._host}:{self._data_port}/ring",
-            artifacts_url=f"http://{self._host}:{self._data_port}/artifacts",
+            return_url=transport.current().url(f"{self._host}:{self._data_port}", "/ring", ws=True),
+            artifacts_url=transport.current().url(f"{self._host}:{self._data_port}", "/artifacts"),
             term=self.term,
             link_delay_ms=cfg.link_delay_ms,
             link_mbps=cfg.link_mbps,
@@ -306,10 +309,10 @@ class Coordinator:
         cfg = self.cfg
         if cfg.split or len(self.nodes) < 2 or self.pipeline is None:
             return None
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
+        async with transport.current().session(timeout=aiohttp.ClientTimeout(total=5)) as s:
             statuses = []
             for node in self.nodes:
-                async with s.get(f"http://{node}/v1/node") as r:
+                async with s.get(transport.current().url(node, "/v1/node")) as r:
                     statuses.append(await r.json())
         times = [stage_time(st) for st in statuses]
         if any(t is None for t in times):
@@ -411,11 +414,13 @@ class Coordinator:
             waiting=sched.waiting if sched else 0,
         )
 
-    async def _site(self, app: web.Application, host: str, port: int) -> None:
+    async def _site(
+        self, app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
         # on shutdown, handlers get STOP_GRACE_S to send their streams' last (error) chunk
         runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=STOP_GRACE_S)
         await runner.setup()
-        await web.TCPSite(runner, host, port).start()
+        await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
         self._runners.append(runner)
 
     async def async_stop(self) -> None:

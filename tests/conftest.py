@@ -116,14 +116,22 @@ class Served:
         agent_env: dict[str, str] | None = None,
         env: dict[str, str] | None = None,
         agent_args: list[str] | None = None,
+        agent_envs: list[dict[str, str]] | None = None,
+        ports: list[int] | None = None,
+        secure: bool = False,
     ) -> None:
+        """``agent_envs``: one environment per agent over ``agent_env`` (e.g. its own LAKESHARD_HOME);
+        ``ports``: the agents' data ports (default: free ones); ``secure``: TLS between the nodes,
+        with the credentials in each process's home (default: plaintext, ``--insecure``)."""
         from coordinator.local_cluster import LocalCluster, free_port
 
-        self.cluster = LocalCluster(n, env=agent_env, agent_args=agent_args or ()).start()
+        self.cluster = LocalCluster(
+            n, env=agent_env, agent_args=agent_args or (), agent_envs=agent_envs, ports=ports, secure=secure
+        ).start()
         self.api_port = free_port()
         self.api_url = f"http://127.0.0.1:{self.api_port}"
         cmd = [sys.executable, "-m", "agent", "serve", "--nodes", ",".join(self.cluster.nodes)]
-        cmd += ["--api-port", str(self.api_port), *extra]
+        cmd += ["--api-port", str(self.api_port), *extra, *(() if secure else ("--insecure",))]
         self.proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,

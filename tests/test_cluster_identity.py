@@ -381,7 +381,9 @@ class Member:
         self.cluster_id = r.stdout.split()[1].rstrip(":")
         self.node = r.stdout.split("node ")[1].split()[0]
         cmd = [sys.executable, "-m", "agent", "agent", "--host", "127.0.0.1", "--port", str(self.port)]
-        cmd += ["--api-port", "0", "--no-mdns", "--device", "CPU", "--standalone", "--throttle", "off"]
+        # --insecure: these tests watch the join protocol on the wire (it must be safe over plain
+        # HTTP); joining an agent that serves TLS is in test_cluster_tls.py
+        cmd += ["--api-port", "0", "--no-mdns", "--device", "CPU", "--standalone", "--throttle", "off", "--insecure"]
         env = {**os.environ, "PYTHONWARNINGS": "ignore", **self.env}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=REPO)
         deadline = time.monotonic() + 60

@@ -12,8 +12,9 @@ Everything lives in ``config_dir()/security/`` (see :mod:`agent.security.files`)
   never the secret itself);
 * ``member.json``: how this node joined (which node signed its certificate, and when).
 
-What other parts use: :class:`agent.security.credentials.Credentials` (TLS contexts, peer
-identity, signatures) and the operations in :mod:`agent.security.cluster` (what the CLI and the
+What other parts use: :mod:`agent.security.transport` (how node links travel: mutual TLS or,
+without credentials or with ``--insecure``, plaintext), :class:`agent.security.credentials.Credentials`
+(TLS contexts, peer identity, signatures) and the operations in :mod:`agent.security.cluster` (what the CLI and the
 tray's settings call).
 """
 

@@ -23,6 +23,8 @@ import hmac
 import http.client
 import json
 import secrets
+import socket
+import ssl
 import time
 import urllib.error
 import urllib.request
@@ -130,11 +132,24 @@ REFUSALS = {
 }
 
 
+def _join_tls() -> ssl.SSLContext:
+    """TLS towards a secure agent's port before this node has a certificate or trusts the CA.
+    It does not check the agent's certificate: the join protocol authenticates both ends itself
+    (the CA's fingerprint against the token, then the MACs), as it does over plain HTTP."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
 def _http(url: str, body: dict[str, Any] | None, timeout: float) -> tuple[int, dict[str, Any]]:
     """GET (or POST ``body`` as JSON) straight to ``url`` (never through a proxy): status and JSON."""
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    opener = urllib.request.build_opener(
+        urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=_join_tls())
+    )
     try:
         with opener.open(req, timeout=timeout) as r:
             status, raw = r.status, r.read(MAX_ANSWER + 1)
@@ -158,11 +173,26 @@ def _error(d: dict[str, Any]) -> tuple[str, str]:
     return "", str(e or "")[:300]
 
 
+def _get_ca(address: str, timeout: float) -> tuple[str, int, dict[str, Any]]:
+    """``GET /v1/cluster/ca``: the base URL that answered, its status and JSON. TLS first (an agent
+    with credentials serves only TLS), then plain HTTP (an agent started with --insecure)."""
+    try:
+        return f"https://{address}", *_http(f"https://{address}/v1/cluster/ca", None, timeout)
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+        reason = getattr(e, "reason", None) or e
+        if isinstance(reason, ConnectionRefusedError | TimeoutError | socket.gaierror):
+            raise
+    return f"http://{address}", *_http(f"http://{address}/v1/cluster/ca", None, timeout)
+
+
 def fetch_ca(address: str, timeout: float = 10.0) -> x509.Certificate:
     """The CA certificate the agent at ``address`` shows (``GET /v1/cluster/ca``)."""
-    url = f"http://{address}/v1/cluster/ca"
+    return _fetch_ca(address, timeout)[1]
+
+
+def _fetch_ca(address: str, timeout: float = 10.0) -> tuple[str, x509.Certificate]:
     try:
-        status, d = _http(url, None, timeout)
+        base, status, d = _get_ca(address, timeout)
     except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
         reason = getattr(e, "reason", None) or e
         raise JoinError(f"cannot reach the cluster member at {address} ({reason})") from None
@@ -172,7 +202,7 @@ def fetch_ca(address: str, timeout: float = 10.0) -> x509.Certificate:
     if not isinstance(pem, str):
         raise JoinError(f"the agent at {address} answered without a CA certificate")
     try:
-        return pki.load_cert(pem.encode())
+        return base, pki.load_cert(pem.encode())
     except SecurityError as e:
         raise JoinError(f"the agent at {address} shows a CA certificate that does not parse: {e}") from None
 
@@ -189,7 +219,7 @@ def join_cluster(
     if (d / files.NODE_CERT).exists() and not force:
         raise JoinError("this node is already in a cluster ('lakeshard cluster status'); --force joins another")
     addr = tok.address
-    ca = fetch_ca(addr, timeout)
+    base, ca = _fetch_ca(addr, timeout)
     seen = pki.cluster_id_of(ca)
     if not hmac.compare_digest(seen, tok.cluster_id):
         raise JoinError(
@@ -202,7 +232,7 @@ def join_cluster(
     proof = tokens.proof(tok.key, tok.token_id, pki.csr_der(csr), nonce)
     body = {"token": tok.token_id, "csr": pki.csr_pem(csr).decode(), "nonce": nonce.hex(), "proof": proof.hex()}
     try:
-        status, ans = _http(f"http://{addr}/v1/cluster/join", body, timeout)
+        status, ans = _http(f"{base}/v1/cluster/join", body, timeout)
     except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
         raise JoinError(f"cannot reach the cluster member at {addr} ({getattr(e, 'reason', None) or e})") from None
     if status != 200:

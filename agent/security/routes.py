@@ -1,5 +1,6 @@
-"""The cluster identity routes on an agent's public data port (plain HTTP: what they serve is public
-or protected by the join protocol itself):
+"""The cluster identity routes on an agent's public data port. What they serve is public or
+protected by the join protocol itself, so they answer a client without a node certificate too
+(over TLS when the agent runs secure, see :mod:`agent.security.transport`; plain HTTP otherwise):
 
 * ``GET /v1/cluster/ca``: ``{"cluster", "ca" (PEM), "node", "holds_ca"}``;
 * ``POST /v1/cluster/join``: a join request (:func:`agent.security.join.answer_join`), on a CA

@@ -1,0 +1,193 @@
+"""How node-to-node traffic travels: mutual TLS with this cluster's certificates, or plaintext.
+
+A :class:`Transport` is chosen once when a process starts (:func:`choose`) and installed with
+:func:`use`; every node-to-node link then goes through :func:`current`:
+
+* :meth:`Transport.url`: ``https``/``wss`` (secure) or ``http``/``ws`` (plaintext) for a node
+  address ``host:port``;
+* :meth:`Transport.session`: an aiohttp client session whose connector shows this node's
+  certificate and trusts only the cluster CA;
+* :meth:`Transport.server_ssl`: the SSL context for the public data port (None: plaintext);
+* :meth:`Transport.check_server` / :meth:`Transport.node_at`: the node id in the certificate of
+  the server a client reached (refusing revoked nodes); the gateway checks the coordinator's;
+* :func:`peer_middleware`: on a secure port, the peer's node id is taken from its certificate
+  (``request["peer"]``), revoked nodes are refused with 403, and only the public cluster routes
+  (the CA, joining, the revocation list) answer a client that shows no certificate.
+
+The local status API and the OpenAI API on loopback stay plain HTTP (not node-to-node).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from agent.security.credentials import Credentials, NotMember
+from agent.security.errors import SecurityError
+
+log = logging.getLogger(__name__)
+
+# what a client without a certificate may still ask a secure port (joining needs them)
+PUBLIC_PATHS = frozenset({"/v1/cluster/ca", "/v1/cluster/join", "/v1/cluster/revoked"})
+NODE_AT_S = 30.0  # how long the node id behind an address is remembered
+REFRESH_S = 2.0  # how often the revocation list is re-read from disk (another process may revoke)
+PLAINTEXT_WARNING = (
+    "PLAINTEXT: links between nodes are NOT encrypted or authenticated ({why}); "
+    "run 'lakeshard cluster init' (first node) or 'lakeshard cluster join TOKEN' to secure them"
+)
+
+
+@dataclass
+class Transport:
+    """Secure (``creds`` set) or plaintext transport for node-to-node links."""
+
+    creds: Credentials | None = None
+    _server: ssl.SSLContext | None = field(default=None, repr=False)
+    _client: ssl.SSLContext | None = field(default=None, repr=False)
+    _refreshed: float = field(default=0.0, repr=False)
+    _nodes_at: dict[str, tuple[str, float]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.creds is not None:
+            self._server = self.creds.server_ssl_context()
+            # a joiner shows no certificate; it may still fetch the CA and join (see PUBLIC_PATHS).
+            # A certificate that is shown must be this cluster's: the handshake fails otherwise.
+            self._server.verify_mode = ssl.CERT_OPTIONAL
+            self._client = self.creds.client_ssl_context()
+
+    @property
+    def secure(self) -> bool:
+        return self.creds is not None
+
+    @property
+    def server_ssl(self) -> ssl.SSLContext | None:
+        return self._server
+
+    @property
+    def client_ssl(self) -> ssl.SSLContext | None:
+        return self._client
+
+    def url(self, address: str, path: str = "", *, ws: bool = False) -> str:
+        """The URL of ``path`` on the node at ``address`` (host:port)."""
+        scheme = ("wss" if ws else "https") if self.secure else ("ws" if ws else "http")
+        return f"{scheme}://{address}{path}"
+
+    def session(self, **kw: Any) -> aiohttp.ClientSession:
+        """A client session for node-to-node requests (``kw`` goes to ``ClientSession``)."""
+        if self._client is None:
+            return aiohttp.ClientSession(**kw)
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=self._client), **kw)
+
+    def peer(self, ssl_object: Any) -> str | None:
+        """The node id in the certificate the peer showed (``ssl_object`` of its connection), None
+        when it showed none; :class:`SecurityError` when it is revoked or otherwise unusable."""
+        if self.creds is None or ssl_object is None:
+            return None
+        if not ssl_object.getpeercert(binary_form=True):
+            return None
+        now = time.monotonic()
+        if now - self._refreshed > REFRESH_S:
+            self._refreshed = now
+            try:
+                if self.creds.refresh():
+                    log.info("revocation list: version %d", self.creds.revocation_version)
+            except SecurityError as e:
+                log.warning("cannot re-read the revocation list: %s", e)
+        return self.creds.peer_node_id(ssl_object)
+
+    def check_server(self, ws: aiohttp.ClientWebSocketResponse) -> str | None:
+        """The node id of the server a websocket reached; :class:`SecurityError` when it is
+        revoked (the TLS handshake itself checks only the CA)."""
+        if self.creds is None:
+            return None
+        return self.peer(ws.get_extra_info("ssl_object"))
+
+    async def node_at(self, address: str, timeout: float = 5.0) -> str | None:
+        """The node id in the certificate of the node serving ``address`` (host:port), from a
+        handshake of its own (remembered for NODE_AT_S); None on a plaintext transport.
+        :class:`SecurityError` when it cannot be reached over TLS or its certificate is refused."""
+        if self._client is None:
+            return None
+        now = time.monotonic()
+        hit = self._nodes_at.get(address)
+        if hit is not None and now - hit[1] < NODE_AT_S:
+            return hit[0]
+        host, _, port = address.rpartition(":")
+        try:
+            _, w = await asyncio.wait_for(asyncio.open_connection(host, int(port), ssl=self._client), timeout)
+        except (OSError, TimeoutError, ValueError) as e:
+            raise SecurityError(f"no TLS handshake with {address}: {e}") from None
+        try:
+            node = self.peer(w.get_extra_info("ssl_object"))
+        finally:
+            w.close()
+        if node is None:
+            raise SecurityError(f"the node at {address} showed no certificate")
+        self._nodes_at[address] = (node, now)
+        return node
+
+    def describe(self) -> str:
+        if self.creds is None:
+            return "plaintext"
+        return f"mutual TLS, cluster {self.creds.cluster_id}, node {self.creds.node_id}"
+
+
+PLAINTEXT = Transport()
+_current: Transport = PLAINTEXT
+
+
+def current() -> Transport:
+    """The transport this process chose at start (plaintext until :func:`use` is called)."""
+    return _current
+
+
+def use(t: Transport) -> Transport:
+    global _current
+    _current = t
+    return t
+
+
+def choose(insecure: bool = False, folder: Path | None = None) -> Transport:
+    """Secure from the local credentials when there are any (unless ``insecure``), else plaintext;
+    logs loudly whenever it is plaintext. Broken credentials raise :class:`SecurityError`."""
+    if insecure:
+        log.warning(PLAINTEXT_WARNING.format(why="--insecure"))
+        return Transport()
+    try:
+        creds = Credentials.load(folder)
+    except NotMember:
+        log.warning(PLAINTEXT_WARNING.format(why="this node has no cluster credentials"))
+        return Transport()
+    t = Transport(creds)
+    log.info("node links: %s", t.describe())
+    return t
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def peer_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """On a secure port: the peer's identity is its certificate (``request["peer"]``)."""
+    t = current()
+    if t.secure:
+        try:
+            peer = t.peer(request.transport.get_extra_info("ssl_object") if request.transport else None)
+        except SecurityError as e:
+            log.warning("refused %s %s from %s: %s", request.method, request.path, request.remote, e)
+            raise web.HTTPForbidden(text=f"refused: {e}") from None
+        if peer is None and request.path not in PUBLIC_PATHS:
+            log.warning("refused %s %s from %s: no node certificate", request.method, request.path, request.remote)
+            raise web.HTTPForbidden(text="a node certificate of this cluster is required")
+        if peer is not None:
+            request["peer"] = peer
+    return await handler(request)
