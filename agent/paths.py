@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -108,11 +109,20 @@ def write_json_atomic(path: Path, data: Any, **dump: Any) -> None:
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Write a text file so that readers see the old file or the new one, never half of it."""
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: Path, data: bytes, mode: int | None = None) -> None:
+    """Write ``data`` so that readers see the old file or the new one, never half of it (even
+    after a crash). The file is 0600 (mkstemp's) unless ``mode`` says otherwise."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        if mode is not None:
+            with contextlib.suppress(OSError, NotImplementedError, AttributeError):
+                os.fchmod(fd, mode)  # not on every platform: there the file stays 0600
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -13,12 +13,11 @@ import contextlib
 import json
 import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from agent.paths import config_dir
+from agent.paths import config_dir, write_bytes_atomic
 
 CA_KEY = "ca.key"
 CA_CERT = "ca.crt"
@@ -50,19 +49,7 @@ def security_dir(folder: Path | None = None) -> Path:
 
 def write_atomic(path: Path, data: bytes, mode: int) -> None:
     """Write ``data`` so readers see the old file or the new one, never half of it, with ``mode``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with contextlib.suppress(OSError, NotImplementedError, AttributeError):
-            os.fchmod(fd, mode)  # mkstemp makes it 0600 already; public files are widened here
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_bytes_atomic(path, data, mode)
 
 
 def write_private(path: Path, data: bytes) -> None:
