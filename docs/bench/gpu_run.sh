@@ -2,7 +2,7 @@
 # How the README's GPU table was measured on the lent device machine (an NVIDIA H200 that
 # OpenVINO's GPU plugin sees through PoCL). Carried there: OpenVINO and friends (cp312 wheels,
 # unpacked to .carry/site) and the smollm2-135m model store entry (.carry/models).
-#   docs/bench/gpu_run.sh setup | extra | model | tests | parity | pipeline | spec   (several in one call)
+#   docs/bench/gpu_run.sh setup | extra | model | tests | probe | mixedtest | parity | pipeline | spec   (several in one call)
 # Logs and JSON lines go to $OUT (or ./gpu_out).
 set -u
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
@@ -18,12 +18,17 @@ for phase in "$@"; do
       python3 -c "import openvino as ov; c=ov.Core(); print(ov.__version__, c.available_devices, [c.get_property(d,'FULL_DEVICE_NAME') for d in c.available_devices])" ;;
     extra)  # pure-Python packages the machine may lack (nncf, zeroconf, platformdirs ...), in .carry/b
       python3 -c "import tarfile; tarfile.open('.carry/b/extra.tar.xz').extractall('.carry/site', filter='data')"
-      python3 -c "import openvino as ov, openvino_genai, aiohttp, zeroconf, msgpack, nncf, transformers, torch, platformdirs, jinja2, tqdm, tokenizers, sentencepiece; print('transformers', transformers.__version__, 'torch', torch.__version__)" ;;
+      python3 -c "import tarfile; tarfile.open('.carry/b/crypto.tar.xz').extractall('.carry/site', filter='data')"  # cryptography, cffi (cp312)
+      python3 -c "import openvino as ov, openvino_genai, aiohttp, cryptography, zeroconf, msgpack, nncf, transformers, torch, platformdirs, jinja2, tqdm, tokenizers, sentencepiece; print('transformers', transformers.__version__, 'torch', torch.__version__)" ;;
     model)
       cat .carry/a/gguf.aa .carry/b/gguf.ab .carry/b/gguf.ac .carry/c/gguf.ad > .carry/models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
       sha256sum .carry/models/smollm2-135m/*.gguf ;;
     tests)
       timeout $(left) python3 -m pytest tests/test_gpu.py -p no:cacheprovider -rA -s 2>&1 | tee "$OUT/test_gpu.log" | tail -40 ;;
+    probe)  # why streams stepped in turn on one GPU stage differ from their solo runs
+      timeout $(left) python3 docs/bench/gpu_interleave_probe.py GPU CPU 2>&1 | tee "$OUT/interleave_probe.log" | grep '^{' ;;
+    mixedtest)
+      timeout $(left) python3 -m pytest tests/test_gpu.py -k mixed -p no:cacheprovider -rA 2>&1 | tee "$OUT/test_gpu_mixed.log" | tail -15 ;;
     parity)
       timeout $(left) python3 -m agent bench parity --device GPU --runs 3 --tokens 64 --json 2>&1 | tee "$OUT/parity_gpu.log" | tail -8 ;;
     pipeline)
