@@ -47,7 +47,7 @@ class _Ov:
     def __getattr__(self, name: str) -> Any:
         return getattr(ov, name)
 
-    def Tensor(self, a: Any, shared_memory: bool = False) -> ov.Tensor:  # noqa: N802
+    def Tensor(self, a: Any, shared_memory: bool = False) -> ov.Tensor:
         if self.mode == "copies" and isinstance(a, np.ndarray):
             return ov.Tensor(np.array(a, copy=True))
         if self.mode == "keep" and isinstance(a, np.ndarray):
@@ -102,13 +102,31 @@ def main() -> None:
         for dev in devices:
             base = solo(Stage(d, device=dev, exact=True), prompts)
             again = solo(Stage(d, device=dev, exact=True), prompts)
-            print(json.dumps({"device": dev, "variant": "solo-again", "first_diff": [diff(a, b) for a, b in zip(again, base, strict=True)]}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "device": dev,
+                        "variant": "solo-again",
+                        "first_diff": [diff(a, b) for a, b in zip(again, base, strict=True)],
+                    }
+                ),
+                flush=True,
+            )
             for mode in ("turns", "keep", "copies"):
                 stage_mod.ov = _Ov(mode)  # type: ignore[assignment]
                 got = turns(Stage(d, device=dev, exact=True), prompts)
                 stage_mod.ov = ov
                 KEEP.clear()
-                print(json.dumps({"device": dev, "variant": mode, "first_diff": [diff(a, b) for a, b in zip(got, base, strict=True)]}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "device": dev,
+                            "variant": mode,
+                            "first_diff": [diff(a, b) for a, b in zip(got, base, strict=True)],
+                        }
+                    ),
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":
