@@ -251,7 +251,9 @@ class Sealed(Message):
     ``sig`` is the ECDSA P-256 (SHA-256, DER) signature of :meth:`signed_bytes` with the key of
     the certificate named by ``key``; ``cert`` (its DER) comes with some datagrams only, so a
     receiver learns it once and keeps it. ``stamp`` (microseconds since the Unix epoch, strictly
-    increasing per sender) lets receivers refuse replays.
+    increasing per sender) lets receivers refuse replays; ``to`` names the node a reply or a vote
+    request is for (a beat goes to every peer alike, one envelope and one stamp for all), so a
+    datagram recorded on its way to one node cannot be replayed to another.
     """
 
     TYPE: ClassVar[str] = "sealed"
@@ -262,9 +264,10 @@ class Sealed(Message):
     body: bytes
     sig: bytes
     cert: bytes | None = None
+    to: str | None = None
 
     def signed_bytes(self) -> bytes:
-        return seal_bytes(self.cluster, self.node, self.stamp, self.key, self.body)
+        return seal_bytes(self.cluster, self.node, self.to, self.stamp, self.key, self.body)
 
     @classmethod
     def parse(cls, h: dict[str, Any]) -> Sealed:
@@ -276,13 +279,14 @@ class Sealed(Message):
             body=bytes_field(h.get("body"), "body", 1, MAX_BODY),
             sig=bytes_field(h.get("sig"), "sig", 8, MAX_SIG),
             cert=None if h.get("cert") is None else bytes_field(h.get("cert"), "cert", 64, MAX_CERT),
+            to=opt_id_field(h.get("to"), "to"),
         )
 
 
-def seal_bytes(cluster: str, node: str, stamp: int, key: bytes, body: bytes) -> bytes:
+def seal_bytes(cluster: str, node: str, to: str | None, stamp: int, key: bytes, body: bytes) -> bytes:
     """What a :class:`Sealed` envelope's signature covers (everything but the certificate, which
     proves itself: it must hash to ``key`` and chain to the cluster CA)."""
-    return SEAL_DOMAIN + bytes(msgpack.packb([cluster, node, stamp, key, body], use_bin_type=True))
+    return SEAL_DOMAIN + bytes(msgpack.packb([cluster, node, to, stamp, key, body], use_bin_type=True))
 
 
 register(Beat, Ack, VoteRequest, Vote, Sealed)

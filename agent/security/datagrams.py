@@ -14,6 +14,8 @@ credentials (:func:`for_credentials`):
   ``CERT_EVERY``-th after, every one to an address this node has not heard a valid datagram from
   lately, and every vote and vote request (elections must not wait). A receiver checks a
   certificate once (this cluster's CA, valid now, a node certificate) and keeps it by that name.
+  A beat is sealed once per round (one stamp, one signature) for every peer; a reply (ack, vote)
+  or a vote request names the node it is for (``to``), which must be the receiver.
   A beat is then about 500 bytes, and about 1 KB with the certificate (1.2 KB at most: a beat that
   offers 8 devices): one datagram, under a 1400-byte MTU.
 
@@ -22,7 +24,8 @@ logged as a WARNING): ``unsigned`` (a plain frame), ``other_cluster`` (the envel
 cluster), ``other_ca`` (the certificate is not signed by this cluster's CA), ``bad_cert`` (not a
 node certificate of this cluster, or not valid now), ``revoked`` (the revocation list names the
 node; the list is re-read from disk every ``REFRESH_S``), ``wrong_node`` (the envelope, or the
-message inside it, claims another node id than the certificate's CN), ``bad_signature``,
+message inside it, claims another node id than the certificate's CN), ``wrong_recipient`` (sealed
+for another node), ``bad_signature``,
 ``unknown_cert`` (a short name not learnt yet and no certificate: normal for a second after a
 peer appears; logged at INFO), ``stale`` (stamped more than ``WINDOW_S`` away from this node's
 clock: a replay, or a clock that is far off), ``replay`` (a stamp not above the last one accepted
@@ -45,7 +48,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from cryptography.exceptions import InvalidSignature
@@ -158,7 +161,11 @@ class Signed(Datagrams):
         self.creds, self.window_s = creds, window_s
         self._stamp = 0
         self._sent: dict[tuple[str, int], int] = {}  # datagrams sent to each address
-        self._heard: dict[tuple[str, int], float] = {}  # address -> when a valid datagram last came (monotonic)
+        # address -> (when a valid datagram last came from it (monotonic), the node that sent it)
+        self._heard: dict[tuple[str, int], tuple[float, str]] = {}
+        self._beat: tuple[Message, Sealed] | None = None  # this round's beat, sealed once for every peer
+        self.sent: collections.Counter[str] = collections.Counter()  # datagrams with and without the certificate
+        self.largest: collections.Counter[str] = collections.Counter()  # the largest of each (bytes)
         self._certs: collections.OrderedDict[bytes, Known] = collections.OrderedDict()
         self._seen: dict[str, tuple[int, int]] = {}  # node -> (last stamp, highest term) accepted
         self._refreshed = time.monotonic()
@@ -168,14 +175,27 @@ class Signed(Datagrams):
 
     # -- sending ---------------------------------------------------------------------------------
     def seal(self, msg: Message, addr: tuple[str, int]) -> bytes:
-        self._stamp = max(self._stamp + 1, time.time_ns() // 1000)
+        heard = self._heard.get(addr)
+        if isinstance(msg, Beat):  # the same beat to every peer: one envelope (one stamp) for all
+            if self._beat is None or self._beat[0] is not msg:
+                self._beat = (msg, sealed(self.creds, msg, self._next_stamp()))
+            env = self._beat[1]
+        else:  # a reply or a vote request: for the node heard at that address
+            env = sealed(self.creds, msg, self._next_stamp(), to=heard[1] if heard else None)
         n = self._sent[addr] = self._sent.get(addr, 0) + 1
         if len(self._sent) > MAX_CERTS:  # addresses come and go: start counting afresh
             self._sent = {addr: n}
-        heard = self._heard.get(addr)
-        known = heard is not None and time.monotonic() - heard < KNOWN_S
+        known = heard is not None and time.monotonic() - heard[0] < KNOWN_S
         full = isinstance(msg, Vote | VoteRequest) or n % CERT_EVERY == 1 or not known
-        return encode(sealed(self.creds, msg, self._stamp, with_cert=full))
+        frame = encode(env if full else replace(env, cert=None))
+        kind = "with_cert" if full else "lean"
+        self.sent[kind] += 1
+        self.largest[kind] = max(self.largest[kind], len(frame))
+        return frame
+
+    def _next_stamp(self) -> int:
+        self._stamp = max(self._stamp + 1, time.time_ns() // 1000)
+        return self._stamp
 
     # -- receiving -------------------------------------------------------------------------------
     def open(self, data: bytes, src: tuple[str, int]) -> Message:
@@ -194,6 +214,8 @@ class Signed(Datagrams):
             raise Refused("revoked", f"{who}: node {known.node} is revoked")
         if env.node != known.node:
             raise Refused("wrong_node", f"{who}: its certificate names node {known.node}")
+        if env.to is not None and env.to != self.creds.node_id:
+            raise Refused("wrong_recipient", f"{who}: sealed for node {env.to}, not this one")
         try:
             known.public_key.verify(env.sig, env.signed_bytes(), ec.ECDSA(hashes.SHA256()))
         except (InvalidSignature, ValueError):
@@ -205,7 +227,7 @@ class Signed(Datagrams):
         if getattr(msg, "node", None) != env.node or getattr(msg, "cluster", None) != env.cluster:
             raise Refused("wrong_node", f"{who}: the signed {msg.TYPE!r} speaks for another node or cluster")
         self._check_fresh(env, sender_term(msg), who)
-        self._heard[src] = time.monotonic()
+        self._heard[src] = (time.monotonic(), env.node)
         if len(self._heard) > MAX_CERTS:
             self._heard = {src: self._heard[src]}
         return msg
@@ -268,7 +290,8 @@ class Signed(Datagrams):
             log.warning("cannot re-read the revocation list: %s", e)
 
     def status(self) -> dict[str, Any]:
-        return {**super().status(), "certificates": len(self._certs)}
+        sent = {k: {"datagrams": self.sent[k], "largest_bytes": self.largest[k]} for k in ("with_cert", "lean")}
+        return {**super().status(), "certificates": len(self._certs), "sent": sent}
 
 
 class Receiver(asyncio.DatagramProtocol):
@@ -294,14 +317,23 @@ def short_name(cert_der: bytes) -> bytes:
     return hashlib.sha256(cert_der).digest()[:KEY_BYTES]
 
 
-def sealed(creds: Credentials, msg: Message, stamp: int, *, with_cert: bool = True, node: str | None = None) -> Sealed:
-    """``msg`` signed by ``creds``' node key (``node``: what the envelope claims; tests forge it)."""
+def sealed(
+    creds: Credentials,
+    msg: Message,
+    stamp: int,
+    *,
+    to: str | None = None,
+    with_cert: bool = True,
+    node: str | None = None,
+) -> Sealed:
+    """``msg`` signed by ``creds``' node key, for node ``to`` (None: any peer, a beat);
+    ``node``: whom the envelope claims to come from (tests forge it)."""
     der = creds.node_cert_der
     key, body = short_name(der), encode(msg)
     claimed = node or creds.node_id
     cluster = str(getattr(msg, "cluster", creds.cluster_id))
-    sig = creds.sign(seal_bytes(cluster, claimed, stamp, key, body))
-    return Sealed(cluster, claimed, stamp, key, body, sig, der if with_cert else None)
+    sig = creds.sign(seal_bytes(cluster, claimed, to, stamp, key, body))
+    return Sealed(cluster, claimed, stamp, key, body, sig, der if with_cert else None, to)
 
 
 def _decode(data: bytes, src: tuple[str, int]) -> Message:
