@@ -110,7 +110,8 @@ class AgentDaemon:
         if creds is not None and creds.node_id != self.node:
             log.warning(
                 "this agent is node %s but its certificate names node %s (made for another port?): members "
-                "will not accept it as their coordinator; join again with a new token ('cluster join --force')",
+                "refuse its election datagrams and will not accept it as their coordinator; join again with a new "
+                "token ('cluster join --force')",
                 self.node,
                 creds.node_id,
             )
