@@ -48,6 +48,8 @@ from agent.local_api import make_local_app
 from agent.paths import agent_state_dir, log_dir
 from agent.protocol.events import NodeInfo
 from agent.security import transport
+from agent.security.datagrams import for_credentials
+from agent.security.fencing import CoordinatorFence
 from agent.security.routes import add_cluster_routes, membership
 from agent.server import make_app
 from agent.stage_host import StageHost
@@ -108,12 +110,14 @@ class AgentDaemon:
         if creds is not None and creds.node_id != self.node:
             log.warning(
                 "this agent is node %s but its certificate names node %s (made for another port?): members "
-                "will not accept it as their coordinator; join again with a new token ('cluster join --force')",
+                "refuse its election datagrams and will not accept it as their coordinator; join again with a new "
+                "token ('cluster join --force')",
                 self.node,
                 creds.node_id,
             )
         # standalone agents take their term from a 'serve' coordinator, not from an election
         self.store = TermStore(folder, persist=not opts.standalone)
+        self.fence = CoordinatorFence(lambda: self.store.state)
         self.host = StageHost(device=opts.device, threads=opts.threads, spin_ms=opts.spin_ms, head_help=opts.head_help)
         self.host.term_seen = data_term(self.store.state.term)
         self.me = LocalNode(
@@ -144,7 +148,9 @@ class AgentDaemon:
     # -- lifecycle -----------------------------------------------------------------------------
     async def async_start(self) -> None:
         self.session = transport.current().session()
-        public = make_app(self.host, status=self.node_status, middlewares=[transport.peer_middleware])
+        # elected agents with credentials take assignments only from the coordinator of their term
+        fence = self.fence.async_check if self.transport.secure and not self.opts.standalone else None
+        public = make_app(self.host, self.node_status, [transport.peer_middleware], fence)
         add_cluster_routes(public)  # cluster identity: the CA, joining, the revocation list
         log.info("%s", membership(self.node))
         if not self.opts.standalone:
@@ -164,7 +170,8 @@ class AgentDaemon:
                 "another agent may be running: give this one --api-port 0 (any free port) or another number"
             ) from None
         if not self.opts.standalone:
-            self.elector = Elector(self.me, self.settings, self.store, self.opts.timing)
+            signed = for_credentials(self.transport.creds)  # election datagrams: signed with credentials
+            self.elector = Elector(self.me, self.settings, self.store, self.opts.timing, signed)
             self.elector.on_term = self._on_term
             await self.elector.async_start(self.opts.host)
             if self.settings.mdns:
@@ -493,6 +500,7 @@ class AgentDaemon:
             return {"node": self.node, "role": "standalone", "peers": [], "coordinator": None, "term": 0}
         st = self.elector.status()
         st["services"] = self.services.status() if self.services is not None else None
+        st["assignments_refused"] = self.fence.refused  # not from the coordinator of their term
         return st
 
 

@@ -3,6 +3,7 @@
 Decisions come from :mod:`agent.election` (pure functions); this module keeps the peer
 table, sends and receives the datagrams, persists terms before acting on them, and records
 every coordinator it admitted (``history``) so tests and admins can audit the fencing.
+With cluster credentials every datagram is signed and checked (:mod:`agent.security.datagrams`).
 Everything here runs on the event loop (``async_`` methods and datagram callbacks).
 """
 
@@ -35,7 +36,8 @@ from agent.election import (
     yields_to,
 )
 from agent.identity import TermStore
-from agent.protocol import Ack, Beat, DeviceOffer, Message, ProtocolError, Vote, VoteRequest, decode, encode
+from agent.protocol import Ack, Beat, DeviceOffer, Message, Vote, VoteRequest
+from agent.security.datagrams import Datagrams, Plain, Receiver, Refused
 
 log = logging.getLogger(__name__)
 TICK_S = 0.05
@@ -86,20 +88,17 @@ class Peer:
         return Standing(self.node, b.eligible, b.score, b.mem_free) if b else Standing(self.node, False)
 
 
-class _Datagrams(asyncio.DatagramProtocol):
-    def __init__(self, owner: Elector) -> None:
-        self.owner = owner
-
-    def datagram_received(self, data: bytes, addr: tuple[str | Any, int]) -> None:
-        self.owner.on_datagram(data, (str(addr[0]), int(addr[1])))
-
-    def error_received(self, exc: Exception) -> None:
-        log.debug("datagram error: %s", exc)
-
-
 class Elector:
-    def __init__(self, me: LocalNode, settings: Settings, store: TermStore, timing: Timing | None = None) -> None:
+    def __init__(
+        self,
+        me: LocalNode,
+        settings: Settings,
+        store: TermStore,
+        timing: Timing | None = None,
+        datagrams: Datagrams | None = None,  # signed with credentials (agent.security.datagrams)
+    ) -> None:
         self.me, self.settings, self.store = me, settings, store
+        self.datagrams = datagrams or Plain()
         self.timing = timing or Timing()
         self.role = Role.FOLLOWER
         self.peers: dict[str, Peer] = {}
@@ -121,13 +120,12 @@ class Elector:
         self._beat_sent: float | None = None  # when our last beat as coordinator left (for round trips)
         self._transport: asyncio.DatagramTransport | None = None
         self._task: asyncio.Task[None] | None = None
-        self._drop_logged = 0.0
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def async_start(self, host: str = "0.0.0.0") -> None:
         loop = asyncio.get_running_loop()
         transport, _ = await loop.create_datagram_endpoint(
-            lambda: _Datagrams(self), local_addr=(host, self.me.port), reuse_port=False
+            lambda: Receiver(self.on_datagram), local_addr=(host, self.me.port), reuse_port=False
         )
         self._transport = transport
         self._task = asyncio.create_task(self._run())
@@ -246,7 +244,7 @@ class Elector:
         if self._transport is None or self._transport.is_closing():
             return
         try:
-            self._transport.sendto(encode(msg), addr)
+            self._transport.sendto(self.datagrams.seal(msg, addr), addr)
         except OSError as e:  # an unplugged link; the peer will time out
             log.debug("send to %s failed: %s", addr, e)
 
@@ -304,16 +302,16 @@ class Elector:
     # -- receiving ------------------------------------------------------------------------------
     def on_datagram(self, data: bytes, src: tuple[str, int]) -> None:
         try:
-            msg, _ = decode(data)
-        except ProtocolError as e:
-            self._drop(f"malformed datagram from {src[0]}: {e}")
+            msg = self.datagrams.open(data, src)  # signed and checked, in a cluster with credentials
+        except Refused as e:
+            self._drop(e.code, e.why)
             return
         cluster = getattr(msg, "cluster", None)
         if cluster is None:
-            self._drop(f"unexpected {msg.TYPE!r} datagram from {src[0]}")
+            self._drop("unexpected", f"unexpected {msg.TYPE!r} datagram from {src[0]}")
             return
         if cluster != self.me.cluster:
-            self._drop(f"{src[0]} belongs to cluster {cluster!r}, not ours")
+            self._drop("other_cluster", f"{src[0]} belongs to cluster {cluster!r}, not ours")
             return
         node: str = msg.node  # type: ignore[attr-defined]
         if node == self.me.node:
@@ -338,12 +336,9 @@ class Elector:
         elif isinstance(msg, Ack):
             self._on_ack(msg, p)
 
-    def _drop(self, why: str) -> None:
+    def _drop(self, code: str, why: str) -> None:
         self.dropped += 1
-        now = time.monotonic()
-        if now - self._drop_logged > 5.0:  # a flood must not flood the log
-            self._drop_logged = now
-            log.warning("ignored: %s (%d so far)", why, self.dropped)
+        self.datagrams.note(code, why)  # counted by code; logged at most every few seconds per code
 
     def _ack(self, to: tuple[str, int], accepted: bool, code: str | None = None, message: str | None = None) -> None:
         ts = self.store.state
@@ -508,5 +503,6 @@ class Elector:
             "elections_started": self.elections,
             "commands_refused": self.refused,
             "datagrams_ignored": self.dropped,
+            "election_traffic": self.datagrams.status(),  # signed or plaintext; refusals by code
             "time": wall,
         }

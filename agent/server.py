@@ -14,7 +14,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 import aiohttp
@@ -44,7 +44,11 @@ log = logging.getLogger(__name__)
 
 HOST = web.AppKey("host", StageHost)
 # Frames from outside the current term must not touch any stream (fencing).
-FENCED = frozenset({"stale_term", "unknown_term", "not_assigned"})
+FENCED = frozenset({"stale_term", "unknown_term", "not_assigned", "not_coordinator"})
+# who may assign: (the assignment's term, the peer's node id from its certificate) -> None or
+# ProtocolError (agent.security.fencing; elected agents with credentials)
+Fence = Callable[[int, str | None], Awaitable[None]]
+FENCE: web.AppKey[Fence | None] = web.AppKey("fence")
 
 
 MAX_PENDING = 512  # frames queued for the compute thread before new ones are refused
@@ -334,6 +338,7 @@ async def ws_handler(request: web.Request) -> web.WebSocketResponse:
     # compile): it, and any frame after it on this connection, runs in a task, so that this loop
     # keeps reading, which is what answers the peer's heartbeat pings meanwhile.
     behind: asyncio.Task[None] | None = None
+    fence, peer = request.app[FENCE], request.get("peer")
     async for m in ws:
         if m.type == aiohttp.WSMsgType.BINARY:
             try:
@@ -344,7 +349,7 @@ async def ws_handler(request: web.Request) -> web.WebSocketResponse:
             if (behind is None or behind.done()) and not isinstance(msg, Assign):
                 await _on_frame(rt, ws, msg, payload)
             else:
-                behind = rt.spawn(_in_turn(behind, _on_frame(rt, ws, msg, payload)))
+                behind = rt.spawn(_in_turn(behind, _on_frame(rt, ws, msg, payload, fence, peer)))
         elif m.type == aiohttp.WSMsgType.TEXT:
             await rt.report(ProtocolError("bad_frame", "frames must be binary"), ws)
         elif m.type == aiohttp.WSMsgType.ERROR:
@@ -358,7 +363,14 @@ async def _in_turn(before: asyncio.Task[None] | None, handle: Coroutine[Any, Any
     await handle
 
 
-async def _on_frame(rt: AgentRuntime, ws: web.WebSocketResponse, msg: Message, payload: memoryview) -> None:
+async def _on_frame(
+    rt: AgentRuntime,
+    ws: web.WebSocketResponse,
+    msg: Message,
+    payload: memoryview,
+    fence: Fence | None = None,
+    peer: str | None = None,
+) -> None:
     try:
         if isinstance(msg, Fwd):
             frametrace.mark("recv", msg.stream, msg.seq)
@@ -369,6 +381,8 @@ async def _on_frame(rt: AgentRuntime, ws: web.WebSocketResponse, msg: Message, p
             rt.host.check_term(msg.term)
             rt.submit_head(msg, payload, ws)
         elif isinstance(msg, Assign):
+            if fence is not None:  # only the coordinator elected for its term (before anything changes)
+                await fence(msg.term, peer)
             assigned = await rt.host.async_assign(msg)
             rt.clear_heads()
             await rt.async_set_next(msg.next_hop, msg.link_delay_ms, msg.link_mbps)
@@ -400,10 +414,15 @@ async def node_handler(request: web.Request) -> web.Response:
 
 
 def make_app(
-    host: StageHost, status: Callable[[], dict[str, Any]] | None = None, middlewares: Sequence[Any] = ()
+    host: StageHost,
+    status: Callable[[], dict[str, Any]] | None = None,
+    middlewares: Sequence[Any] = (),
+    fence: Fence | None = None,
 ) -> web.Application:
-    """The public app: the stage websocket and a read-only ``/v1/node`` (``status`` or the stage's)."""
+    """The public app: the stage websocket and a read-only ``/v1/node`` (``status`` or the stage's);
+    ``fence``: who may assign this agent a stage (None: anyone who reaches it, in a newer term)."""
     app = web.Application(client_max_size=MAX_FRAME, middlewares=list(middlewares))
+    app[FENCE] = fence
     app[HOST] = host
     app[STATUS] = status or host.status
     app.router.add_get("/ws", ws_handler)

@@ -2,7 +2,8 @@
 
 ``codec``: the frame format, field checks and the type registry; ``data``: the ring's
 messages (fwd, ids, passed, close, error, assign); ``head``: the head-part request and answer;
-``control``: agent-to-agent beats and votes; ``probe``: link round trips; ``events``: the
+``control``: agent-to-agent beats and votes (signed in a :class:`Sealed` envelope in a
+cluster with credentials); ``probe``: link round trips; ``events``: the
 cluster event stream (JSON, for node maps and trays).
 """
 
@@ -19,7 +20,7 @@ from agent.protocol.codec import (
     decode,
     encode,
 )
-from agent.protocol.control import Ack, Beat, DeviceOffer, Vote, VoteRequest
+from agent.protocol.control import Ack, Beat, DeviceOffer, Sealed, Vote, VoteRequest
 from agent.protocol.data import Assign, Assigned, Close, Error, Fwd, Ids, Passed, SamplingSpec, tensor
 from agent.protocol.head import Head, HeadTop
 from agent.protocol.probe import Ping, Pong
@@ -49,6 +50,7 @@ __all__ = [
     "Pong",
     "ProtocolError",
     "SamplingSpec",
+    "Sealed",
     "Vote",
     "VoteRequest",
     "decode",

@@ -1,10 +1,16 @@
-"""Control-plane messages between agents: beats, acknowledgements and votes (one per UDP datagram)."""
+"""Control-plane messages between agents: beats, acknowledgements and votes (one per UDP datagram).
+
+In a cluster with credentials each of them travels inside a :class:`Sealed` envelope, signed
+with the sender's node key (see :mod:`agent.security.datagrams`).
+"""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
+
+import msgpack
 
 from agent.protocol.codec import (
     Message,
@@ -224,4 +230,63 @@ class Vote(Message):
         )
 
 
-register(Beat, Ack, VoteRequest, Vote)
+def bytes_field(v: Any, name: str, lo: int, hi: int) -> bytes:
+    if not isinstance(v, bytes) or not (lo <= len(v) <= hi):
+        raise ProtocolError("bad_field", f"{name} must be {lo}..{hi} bytes")
+    return v
+
+
+SEAL_DOMAIN = b"lakeshard/election/1\0"  # what a node key signs is never mistaken for anything else
+KEY_BYTES = 16  # the certificate's short name: the first bytes of its DER's SHA-256
+MAX_SIG = 80  # an ECDSA P-256 signature in DER is at most 72 bytes
+MAX_CERT = 2048  # a node certificate's DER is about 480 bytes
+MAX_BODY = 1200  # the inner message (a beat that offers 8 devices is about 550 bytes)
+
+
+@dataclass(frozen=True)
+class Sealed(Message):
+    """A control message (``body``: a whole :class:`Beat`, :class:`Ack`, :class:`VoteRequest` or
+    :class:`Vote` frame) signed by its sender, in a cluster with credentials.
+
+    ``sig`` is the ECDSA P-256 (SHA-256, DER) signature of :meth:`signed_bytes` with the key of
+    the certificate named by ``key``; ``cert`` (its DER) comes with some datagrams only, so a
+    receiver learns it once and keeps it. ``stamp`` (microseconds since the Unix epoch, strictly
+    increasing per sender) lets receivers refuse replays; ``to`` names the node a reply or a vote
+    request is for (a beat goes to every peer alike, one envelope and one stamp for all), so a
+    datagram recorded on its way to one node cannot be replayed to another.
+    """
+
+    TYPE: ClassVar[str] = "sealed"
+    cluster: str
+    node: str  # the sender, as its certificate must name it
+    stamp: int
+    key: bytes
+    body: bytes
+    sig: bytes
+    cert: bytes | None = None
+    to: str | None = None
+
+    def signed_bytes(self) -> bytes:
+        return seal_bytes(self.cluster, self.node, self.to, self.stamp, self.key, self.body)
+
+    @classmethod
+    def parse(cls, h: dict[str, Any]) -> Sealed:
+        return Sealed(
+            cluster=id_field(h.get("cluster"), "cluster"),
+            node=id_field(h.get("node"), "node"),
+            stamp=int_field(h.get("stamp"), "stamp"),
+            key=bytes_field(h.get("key"), "key", KEY_BYTES, KEY_BYTES),
+            body=bytes_field(h.get("body"), "body", 1, MAX_BODY),
+            sig=bytes_field(h.get("sig"), "sig", 8, MAX_SIG),
+            cert=None if h.get("cert") is None else bytes_field(h.get("cert"), "cert", 64, MAX_CERT),
+            to=opt_id_field(h.get("to"), "to"),
+        )
+
+
+def seal_bytes(cluster: str, node: str, to: str | None, stamp: int, key: bytes, body: bytes) -> bytes:
+    """What a :class:`Sealed` envelope's signature covers (everything but the certificate, which
+    proves itself: it must hash to ``key`` and chain to the cluster CA)."""
+    return SEAL_DOMAIN + bytes(msgpack.packb([cluster, node, to, stamp, key, body], use_bin_type=True))
+
+
+register(Beat, Ack, VoteRequest, Vote, Sealed)
