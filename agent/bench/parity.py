@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "shard1_beam": export_model(model, whole, ExportOptions(weights=weights), quiet=quiet),
         "shard1_nobeam": export_model(model, whole, ExportOptions(weights=weights, beam_idx=False), quiet=quiet),
         "chain2": export_model(model, two, ExportOptions(weights=weights), quiet=quiet),
+        "chain2_nobeam": export_model(model, two, ExportOptions(weights=weights, beam_idx=False), quiet=quiet),
     }
     tok = ChatTokenizer(exports["chain2"].dir / "tokenizer")
     ids = tok.chat_ids([{"role": "user", "content": PROMPT}])
@@ -102,7 +103,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     runners: dict[str, Callable[[], Any]] = {
         "genai": _genai_runner(exports["genai"].dir, device, props, ids, args.tokens),
     }
-    for name, key in (("mono", "genai"), ("shard1_beam", None), ("shard1_nobeam", None), ("chain2", None)):
+    for name, key in (("mono", "genai"), ("shard1_beam", None), ("shard1_nobeam", None), ("chain2", None), ("chain2_nobeam", None)):
         chain = Chain.load(exports[key or name].dir, device=device, threads=threads, exact=exact)
         runners[name] = _chain_runner(chain, ids, args.tokens)
 
@@ -140,10 +141,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "shard1_beam_tok_s": round(med["shard1_beam"], 2),
         "shard1_nobeam_tok_s": round(med["shard1_nobeam"], 2),
         "chain2_tok_s": round(med["chain2"], 2),
+        "chain2_nobeam_tok_s": round(med["chain2_nobeam"], 2),
     }
-    for k in ("mono", "shard1_beam", "shard1_nobeam", "chain2"):
+    for k in ("mono", "shard1_beam", "shard1_nobeam", "chain2", "chain2_nobeam"):
         result[f"ratio_{k}"] = round(med[k] / med["genai"], 4)
     result["beam_idx_speedup"] = round(med["shard1_beam"] / med["shard1_nobeam"], 4)
+    result["beam_idx_speedup_chain2"] = round(med["chain2"] / med["chain2_nobeam"], 4)
     result["tokens_identical"] = all(o[: args.tokens] == ref for o in outputs.values())
     if not result["tokens_identical"]:
         result["first_divergence"] = {
