@@ -105,7 +105,8 @@ def check_port(name: Literal["data_port", "api_port"], st: PortState) -> Check:
     data = {"port": st.port, "tcp_error": st.tcp_error, "udp_error": st.udp_error, "agent": st.agent_running}
     errs = [f"{p} {e}" for p, e in (("TCP", st.tcp_error), ("UDP", st.udp_error)) if e]
     if not errs:
-        return Check(name, "ok", f"{st.port} free ({protos})", data=data)
+        free = "0: any free port" if st.port == 0 else f"{st.port} free"
+        return Check(name, "ok", f"{free} ({protos})", data=data)
     if st.agent_running:
         return Check(name, "ok", f"{st.port} in use by this machine's running lakeshard agent", data=data)
     if name == "data_port":
