@@ -199,3 +199,24 @@ def test_macos_launch_agents_match_the_tray_setting() -> None:
     assert agent["ProgramArguments"] == ["/opt/lakeshard/venv/bin/python", "-m", "agent", "agent"]
     assert agent["RunAtLoad"] is True and agent["Label"] != tray["Label"]
     assert (REPO / "assets" / "icons" / "lakeshard.icns").read_bytes()[:4] == b"icns"
+
+
+def test_the_tray_setting_turns_the_packages_autostart_off_and_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The .deb starts the tray for everyone (/etc/xdg/autostart); one user's "Start at login"
+    switch must still turn it off for them (a Hidden=true entry of the same name) and on again."""
+    from gui import autostart
+
+    system = tmp_path / "etc-xdg"
+    (system / "autostart").mkdir(parents=True)
+    shutil.copy(INSTALLERS / "linux" / "lakeshard-autostart.desktop", system / "autostart" / "lakeshard.desktop")
+    monkeypatch.setenv("XDG_CONFIG_DIRS", f"{tmp_path / 'none'}:{system}")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    cmd = ["/opt/lakeshard/venv/bin/python", "-m", "agent", "tray"]
+    assert autostart.is_enabled("linux")  # the package's entry alone
+    autostart.set_enabled(False, cmd, platform="linux")
+    user = tmp_path / "cfg" / "autostart" / "lakeshard.desktop"
+    assert "Hidden=true" in user.read_text() and not autostart.is_enabled("linux")
+    autostart.set_enabled(True, cmd, platform="linux")
+    assert "Hidden" not in user.read_text() and autostart.is_enabled("linux")
