@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from agent import version
+
 EXIT_USAGE = 2
 
 
@@ -103,6 +105,7 @@ def _add_weights_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="lakeshard", description="Pool idle laptops into one LLM.")
     ap.add_argument("-v", "--verbose", action="store_true", help="log details to stderr")
+    ap.add_argument("--version", action="version", version=f"lakeshard {version()}")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     m = sub.add_parser("models", help="pull, import and list models")
@@ -145,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     from agent.cli_cluster import add_parsers as add_cluster_parsers
 
     add_cluster_parsers(sub)
+    from agent.doctor import add_parser as add_doctor_parser
+
+    add_doctor_parser(sub, _port)
     from gui.app import add_parser as add_tray_parser
 
     add_tray_parser(sub)
@@ -393,6 +399,10 @@ def _dispatch(args: argparse.Namespace) -> int:
             return run_cluster(args)
         except SecurityError as e:
             raise CliError(str(e)) from None
+    if args.cmd == "doctor":
+        from agent.doctor import run_doctor
+
+        return run_doctor(args)
     if args.cmd == "tray":
         try:
             from gui.app import run_tray

@@ -1,6 +1,7 @@
 """Start the tray at login, per platform: XDG autostart (Linux), HKCU Run (Windows), a
 LaunchAgent (macOS). What each writes is a pure function of the command; ``set_enabled``
-writes or removes it."""
+writes or removes it. On Linux a system-wide entry (the .deb's /etc/xdg/autostart one) is
+turned off for this user by a ``Hidden=true`` entry of the same name, as XDG says."""
 
 from __future__ import annotations
 
@@ -53,6 +54,19 @@ def xdg_autostart_file() -> Path:
     return Path(base) / "autostart" / "lakeshard.desktop"
 
 
+def system_autostart_files() -> list[Path]:
+    """System-wide XDG autostart entries for the tray (the Linux package installs one)."""
+    dirs = os.environ.get("XDG_CONFIG_DIRS") or "/etc/xdg"
+    return [f for d in dirs.split(":") if d and (f := Path(d) / "autostart" / "lakeshard.desktop").is_file()]
+
+
+def _hidden(f: Path) -> bool:
+    try:
+        return any(line.strip().lower() == "hidden=true" for line in f.read_text(encoding="utf-8").splitlines())
+    except OSError:
+        return False
+
+
 def launch_agent_file() -> Path:
     return Path.home() / "Library" / "LaunchAgents" / f"{APP_ID}.plist"
 
@@ -68,7 +82,8 @@ def is_enabled(platform: str = sys.platform) -> bool:
             return False
     if platform == "darwin":
         return launch_agent_file().is_file()
-    return xdg_autostart_file().is_file()
+    f = xdg_autostart_file()  # the user's entry overrides a system-wide one of the same name
+    return not _hidden(f) if f.is_file() else bool(system_autostart_files())
 
 
 def set_enabled(on: bool, cmd: list[str] | None = None, platform: str = sys.platform) -> str:
@@ -91,6 +106,10 @@ def set_enabled(on: bool, cmd: list[str] | None = None, platform: str = sys.plat
             f.write_bytes(launch_agent_plist(cmd))
         else:
             f.write_text(desktop_entry(cmd), encoding="utf-8")
+    elif platform != "darwin" and system_autostart_files():
+        # a system-wide entry (the package's) starts the tray for everyone: hide it for this user
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(desktop_entry(cmd) + "Hidden=true\n", encoding="utf-8")
     else:
         f.unlink(missing_ok=True)
     return str(f)

@@ -193,6 +193,7 @@ def test_conversations_and_drafts_survive_a_restart(tmp_path: Path) -> None:
 
 def test_start_at_login_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    monkeypatch.setenv("XDG_CONFIG_DIRS", str(tmp_path / "sys"))  # no system-wide entry here
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     cmd = ["/opt/lakeshard/bin/python", "-m", "agent", "tray"]
     where = autostart.set_enabled(True, cmd, platform="linux")
