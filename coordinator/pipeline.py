@@ -328,8 +328,9 @@ class Pipeline:
         if self._link is not None and not self._link.closed and self.lost is None:
             await self._link.async_send(encode(Close(term=self.term, stream=stream)))
 
-    async def async_on_frame(self, frame: bytes) -> None:
-        """A frame back from the ring (or an error from any agent)."""
+    async def async_on_frame(self, frame: bytes, from_ring: bool = False) -> None:
+        """A frame back from the ring (``from_ring``: on the return endpoint, which any node can
+        reach), or an error from an agent this coordinator connected to."""
         try:
             msg, payload = decode(frame)
             if isinstance(msg, Ids) and msg.rows:
@@ -344,6 +345,12 @@ class Pipeline:
                 )
         except ProtocolError as e:
             log.warning("bad frame on the return path: %s", e)
+            return
+        if isinstance(msg, Ids | Passed) and msg.term != self.term:
+            log.info("dropped a %s frame of term %d (this pipeline's is %d)", msg.TYPE, msg.term, self.term)
+            return
+        if from_ring and isinstance(msg, Error) and msg.stream is None:  # the ring names every error's stream
+            log.warning("ignored an error frame that names no stream: %s", msg.message[:200])
             return
         if isinstance(msg, Passed):
             _resolve(self._passed.pop((msg.stream, msg.seq), None))
