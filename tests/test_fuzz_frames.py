@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.bench.fuzz_frames import TYPES, VICTIMS, join, mutate, valid_frames
+from agent.bench.fuzz_frames import TYPES, VICTIM_MARK, VICTIMS, join, mutate, valid_frames
 from agent.bench.live_fuzz import Hostile, generate, healthy, name_streams
 from agent.owners import Owners
 from agent.protocol import Close, Fwd, Head, Message, ProtocolError, decode, encode, tensor
@@ -152,8 +152,8 @@ class Ring:
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         self.coord = Coordinator(exact_config(smollm2, self.cluster.nodes, TERM, max_streams=1))
         self.call(self.coord.async_start())
-        name_streams(self.coord)
         self.hostile = self.call(Hostile([f"ws://{n}/ws" for n in self.cluster.nodes]).__aenter__())
+        name_streams(self.coord, self.hostile)
 
     def call(self, coro: Any, timeout: float = 300) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -200,7 +200,7 @@ def test_frames_from_a_random_seed_are_refused_quickly(ring: Ring) -> None:
     """The bench's own generator (the 100,000-frame run uses it) against the same agents."""
     from agent.bench.fuzz_frames import hostile_frames
 
-    frames = hostile_frames(random.Random(7).randrange(1 << 30), TERM, HIDDEN, victim="victim-1")
+    frames = hostile_frames(random.Random(7).randrange(1 << 30), TERM, HIDDEN, victim=VICTIM_MARK)
     before = ring.hostile.tally.hangs
     for _ in range(300):
         ring.call(ring.hostile.send(next(frames)), timeout=60)

@@ -32,7 +32,9 @@ from agent.protocol import (
 )
 
 PREFIX = struct.Struct("<2sBI")
-VICTIMS = tuple(f"victim-{i}" for i in range(4))  # the stream ids live_fuzz's coordinator uses
+# stands for the live stream's id (random, like every coordinator's): live_fuzz swaps it in at send time
+VICTIM_MARK = "victim-" + "x" * 16
+VICTIMS = (VICTIM_MARK,)
 TYPES = ("fwd", "ids", "passed", "close", "error", "head", "head_top", "ping", "pong", "beat", "vote", "x")
 # values a header field is replaced with: wrong types, edges, huge and deep things
 ODD: list[Any] = [

@@ -5,20 +5,21 @@
 :class:`Ping` with a unique clock value and reads until that :class:`Pong` comes back: the agent
 answered everything before it (errors are counted), or closed the connection (counted, and a new
 one opened). No Pong within ``timeout`` seconds is a hang. :func:`healthy` runs greedy requests
-through an in-process coordinator meanwhile, over streams named ``victim-N`` (which the hostile
-frames aim at), and compares each one's tokens with an undisturbed run.
+through an in-process coordinator meanwhile, whose live stream's id the hostile frames aim at
+(:func:`name_streams`), and compares each one's tokens with an undisturbed run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 import ssl
 from dataclasses import dataclass, field
 
 import aiohttp
 
-from agent.bench.fuzz_frames import VICTIMS
+from agent.bench.fuzz_frames import VICTIM_MARK
 from agent.protocol import Error, Ping, Pong, ProtocolError, decode, encode
 from coordinator.scheduler import GenRequest
 from coordinator.serve import Coordinator
@@ -48,6 +49,7 @@ class Hostile:
         self._used = [0] * len(urls)
         self._turn = itertools.cycle(range(len(urls)))
         self._clock = itertools.count(1)
+        self.victim: str | None = None  # the healthy stream's id, swapped in for VICTIM_MARK
 
     async def __aenter__(self) -> Hostile:
         connector = aiohttp.TCPConnector(ssl=self.ssl_ctx) if self.ssl_ctx else None
@@ -76,6 +78,8 @@ class Hostile:
         """Send one frame to the next agent, and wait until it has answered it (see above)."""
         i = next(self._turn)
         ws = await self._conn(i)
+        if self.victim is not None and isinstance(frame, bytes):
+            frame = frame.replace(VICTIM_MARK.encode(), self.victim.encode())
         self.tally.sent += 1
         mark = float(next(self._clock))
         try:
@@ -105,11 +109,17 @@ class Hostile:
             await ws.close()
 
 
-def name_streams(coord: Coordinator) -> None:
-    """The coordinator's streams are ``victim-0..3`` from now on (so hostile frames can aim at them)."""
-    names = itertools.cycle(VICTIMS)
+def name_streams(coord: Coordinator, hostile: Hostile) -> None:
+    """Tell ``hostile`` each new stream's id (random and unguessable as always, but seen, as an
+    eavesdropper on a plaintext LAN would), so that its frames aim at the live stream."""
     assert coord.pipeline is not None
-    coord.pipeline.new_stream = lambda: next(names)  # type: ignore[method-assign]
+    pipeline = coord.pipeline
+
+    def new_stream() -> str:
+        hostile.victim = "victim-" + secrets.token_hex(8)
+        return hostile.victim
+
+    pipeline.new_stream = new_stream  # type: ignore[method-assign]
 
 
 async def generate(coord: Coordinator, prompt: list[int], tokens: int) -> list[int]:
