@@ -371,7 +371,15 @@ class Pipeline:
             self.paused.add(node)
             self.mark_lost(node, f"the agent at {node} paused: {msg.message}")
         elif isinstance(msg, Error):
-            log.warning("stage %s reported %s: %s (stream %s)", msg.stage, msg.code, msg.message, msg.stream)
+            ours = msg.stream is None or msg.stream in self._queues or any(k[0] == msg.stream for k in self._pending)
+            log.log(
+                logging.WARNING if ours else logging.DEBUG,  # a stream this coordinator does not run: not its concern
+                "stage %s reported %s: %s (stream %s)",
+                msg.stage,
+                msg.code,
+                msg.message,
+                msg.stream,
+            )
             for stream, q in self._queues.items():
                 if msg.stream is None or stream == msg.stream:
                     q.put_nowait(PipelineError(f"stage {msg.stage}: {msg.message}", msg.code))

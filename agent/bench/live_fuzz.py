@@ -41,7 +41,9 @@ class Hostile:
         ssl_ctx: ssl.SSLContext | None = None,
         per_conn: int = 200,
         timeout: float = 10.0,
+        headers: dict[str, str] | None = None,
     ) -> None:
+        self.headers = headers or {}
         self.urls, self.ssl_ctx, self.per_conn, self.timeout = urls, ssl_ctx, per_conn, timeout
         self.tally = Tally()
         self._session: aiohttp.ClientSession | None = None
@@ -69,7 +71,7 @@ class Hostile:
             if ws is not None:
                 await ws.close()
             assert self._session is not None
-            ws = await self._session.ws_connect(self.urls[i], max_msg_size=0, compress=0)
+            ws = await self._session.ws_connect(self.urls[i], max_msg_size=0, compress=0, headers=self.headers)
             self._ws[i], self._used[i] = ws, 0
         self._used[i] += 1
         return ws
