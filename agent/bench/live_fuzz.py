@@ -12,6 +12,7 @@ through an in-process coordinator meanwhile, whose live stream's id the hostile 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import secrets
 import ssl
@@ -76,8 +77,9 @@ class Hostile:
         self._used[i] += 1
         return ws
 
-    async def send(self, frame: bytes | str) -> None:
-        """Send one frame to the next agent, and wait until it has answered it (see above)."""
+    async def send(self, frame: bytes | str, linger: float = 0.0) -> None:
+        """Send one frame to the next agent, and wait until it has answered it (see above);
+        ``linger``: then read errors for that much longer (those of the compute thread come later)."""
         i = next(self._turn)
         ws = await self._conn(i)
         if self.victim is not None and isinstance(frame, bytes):
@@ -102,13 +104,25 @@ class Hostile:
                     except ProtocolError:
                         continue
                     if isinstance(msg, Pong) and msg.sent == mark:
-                        return
-                    if isinstance(msg, Error):
-                        self.tally.errors += 1
-                        self.tally.codes[msg.code] = self.tally.codes.get(msg.code, 0) + 1
+                        break
+                    self._count(msg)
         except TimeoutError:
             self.tally.hangs += 1
             await ws.close()
+            return
+        if linger > 0:
+            try:
+                async with asyncio.timeout(linger):
+                    while (m := await ws.receive()).type == aiohttp.WSMsgType.BINARY:
+                        with contextlib.suppress(ProtocolError):
+                            self._count(decode(m.data)[0])
+            except TimeoutError:
+                pass
+
+    def _count(self, msg: object) -> None:
+        if isinstance(msg, Error):
+            self.tally.errors += 1
+            self.tally.codes[msg.code] = self.tally.codes.get(msg.code, 0) + 1
 
 
 def name_streams(coord: Coordinator, hostile: Hostile) -> None:
