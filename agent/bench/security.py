@@ -151,12 +151,14 @@ async def _refused(url: str, ctx: Any, headers: dict[str, str] | None = None) ->
         return True
 
 
-async def _answered(node: str, frame: bytes, headers: dict[str, str] | None = None) -> dict[str, int]:
+async def _answered(
+    node: str, frame: bytes, headers: dict[str, str] | None = None, linger: float = 0.0
+) -> dict[str, int]:
     """The error codes an agent answers ``frame`` with, on a connection of its own (a Ping after it
     tells when everything is answered; a hang raises TimeoutError)."""
     h = Hostile([f"ws://{node}/ws"], headers=headers)
     async with h:
-        await h.send(frame, linger=2.0)
+        await h.send(frame, linger=linger)
     if h.tally.hangs:
         raise TimeoutError(f"the agent at {node} did not answer")
     return h.tally.codes
@@ -169,15 +171,13 @@ async def _plain_attacks(plain: list[str], coord: Coordinator, prompt: list[int]
     seen = coord.pipeline.new_stream
     ids: list[str] = []
     coord.pipeline.new_stream = lambda: ids.append(seen()) or ids[-1]  # type: ignore[method-assign,func-returns-value]
-    running = asyncio.create_task(generate(coord, prompt, 200))
+    running = asyncio.create_task(generate(coord, prompt, 400))
     while not ids:
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.2)
     victim = ids[-1]
     one = np.ones((1, 1), np.int32)
-    for node in plain:
-        codes = await _answered(node, encode(Fwd(term=1, stream="nobody", seq=3, n=1, dtype="i32"), one))
-        tried.append(("a step of an unknown stream", bool(codes)))
+    for node in plain:  # while the stream runs: refused at once, on the event loop
         for f, hdr in [
             (Fwd(term=1, stream=victim, seq=0, n=1, dtype="i32", start=True), None),
             (Fwd(term=1, stream=victim, seq=50, n=1, dtype="i32"), None),
@@ -188,6 +188,13 @@ async def _plain_attacks(plain: list[str], coord: Coordinator, prompt: list[int]
             tried.append((f"{what} the live stream{' as a forged loop link' if hdr else ''}", "not_owner" in codes))
         codes = await _answered(node, encode(Close(term=1, stream=victim)))
         tried.append(("close the live stream", "not_owner" in codes))
+    if running.done():
+        raise BenchError("the live stream ended before every attempt on it was made")
+    await running
+    for node in plain:
+        frame = encode(Fwd(term=1, stream="nobody", seq=3, n=1, dtype="i32"), one)
+        codes = await _answered(node, frame, linger=2.0)  # refused on the compute thread
+        tried.append(("a step of an unknown stream", bool(codes)))
         async with aiohttp.ClientSession() as s, s.ws_connect(f"ws://{node}/ws", max_msg_size=0) as ws:
             try:  # a frame over the limit: the connection is closed
                 await ws.send_bytes(b"\0" * (MAX_FRAME + 1))
@@ -195,7 +202,6 @@ async def _plain_attacks(plain: list[str], coord: Coordinator, prompt: list[int]
                 tried.append(("a frame over the size limit", m.type != aiohttp.WSMsgType.BINARY))
             except (ConnectionError, TimeoutError):
                 tried.append(("a frame over the size limit", True))
-    await running
     return tried
 
 
