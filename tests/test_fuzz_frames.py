@@ -112,6 +112,15 @@ def test_decoder_edges() -> None:
             decode(join(assign, b""))
 
 
+def test_config_file_is_bounded(tmp_path: Any) -> None:
+    from agent.config import MAX_CONFIG_BYTES, ConfigError, load
+
+    big = tmp_path / "config.yaml"
+    big.write_text("# " + "x" * MAX_CONFIG_BYTES)
+    with pytest.raises(ConfigError, match="at most"):
+        load(big)
+
+
 class _Conn:
     closed = False
 
