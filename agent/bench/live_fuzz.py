@@ -16,6 +16,7 @@ import contextlib
 import itertools
 import secrets
 import ssl
+import time
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -53,6 +54,7 @@ class Hostile:
         self._turn = itertools.cycle(range(len(urls)))
         self._clock = itertools.count(1)
         self.victim: str | None = None  # the healthy stream's id, swapped in for VICTIM_MARK
+        self.victim_at = 0.0  # when it became known (monotonic)
 
     async def __aenter__(self) -> Hostile:
         connector = aiohttp.TCPConnector(ssl=self.ssl_ctx) if self.ssl_ctx else None
@@ -82,7 +84,9 @@ class Hostile:
         ``linger``: then read errors for that much longer (those of the compute thread come later)."""
         i = next(self._turn)
         ws = await self._conn(i)
-        if self.victim is not None and isinstance(frame, bytes):
+        # an eavesdropper learns a stream's id from its start frame, so only once that has been sent:
+        # frames race it for the first 0.2 s (a plaintext peer that wins that race could squat the id)
+        if self.victim is not None and isinstance(frame, bytes) and time.monotonic() - self.victim_at > 0.2:
             frame = frame.replace(VICTIM_MARK.encode(), self.victim.encode())
         self.tally.sent += 1
         mark = float(next(self._clock))
@@ -132,7 +136,7 @@ def name_streams(coord: Coordinator, hostile: Hostile) -> None:
     pipeline = coord.pipeline
 
     def new_stream() -> str:
-        hostile.victim = "victim-" + secrets.token_hex(8)
+        hostile.victim, hostile.victim_at = "victim-" + secrets.token_hex(8), time.monotonic()
         return hostile.victim
 
     pipeline.new_stream = new_stream  # type: ignore[method-assign]
