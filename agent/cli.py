@@ -274,6 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--runs", type=_positive_int, default=5)
     pf.add_argument("--random-weights", action="store_true", help="the model's shapes with random weights")
     pf.add_argument("--json", action="store_true")
+    from agent.bench.security import add_args as add_security_args
+
+    add_security_args(bsub)
     me = bsub.add_parser("memory", help="what each extra stream costs a stage agent in memory")
     me.add_argument("--model", default="smollm2-135m")
     me.add_argument("--weights", choices=["fp32", "fp16", "int8", "int4"])

@@ -222,6 +222,9 @@ def parse(d: Any) -> Settings:
     )
 
 
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def load(path: Path | None = None) -> Settings:
     """The settings in ``path`` (default: the user's config file; absent means defaults)."""
     p = path or config_file()
@@ -230,6 +233,8 @@ def load(path: Path | None = None) -> Settings:
             raise ConfigError(f"{p}: no such settings file")
         return Settings()
     try:
+        if p.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{p}: a settings file is at most {MAX_CONFIG_BYTES} bytes")
         data = yaml.safe_load(p.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise ConfigError(f"{p}: cannot read settings: {e}") from None

@@ -55,8 +55,12 @@ class Link:
         mbps: float = 0.0,
         on_frame: Callable[[bytes], Awaitable[None]] | None = None,
         connect_timeout: float = 10.0,
+        role: str | None = None,
     ) -> None:
+        """``role``: what this link is to the receiving agent (``"loop"``: a last stage's link
+        back to stage 0, see :mod:`agent.owners`)."""
         self.url = url
+        self._headers = {"X-Lakeshard-Link": role} if role else {}
         self.delay_s = max(0.0, delay_ms) / 1000.0
         self.bytes_per_s = mbps * 1e6 / 8 if mbps > 0 else 0.0
         self._tx_free_at = 0.0  # when the emulated line finishes sending what is queued
@@ -74,7 +78,7 @@ class Link:
         while True:
             try:
                 self._ws = await self._session.ws_connect(
-                    self.url, heartbeat=HEARTBEAT_S, max_msg_size=MAX_FRAME, compress=0
+                    self.url, heartbeat=HEARTBEAT_S, max_msg_size=MAX_FRAME, compress=0, headers=self._headers
                 )
             except (aiohttp.ClientError, OSError) as e:
                 if time.monotonic() > deadline:

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from agent import frametrace
 from agent.link import HEARTBEAT_S, Link, LinkClosed
+from agent.owners import LINK_HEADER, Owners
 from agent.protocol import (
     MAX_FRAME,
     Assign,
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 
 HOST = web.AppKey("host", StageHost)
 # Frames from outside the current term must not touch any stream (fencing).
-FENCED = frozenset({"stale_term", "unknown_term", "not_assigned", "not_coordinator"})
+FENCED = frozenset({"stale_term", "unknown_term", "not_assigned", "not_coordinator", "not_owner"})
 # who may assign: (the assignment's term, the peer's node id from its certificate) -> None or
 # ProtocolError (agent.security.fencing; elected agents with credentials)
 Fence = Callable[[int, str | None], Awaitable[None]]
@@ -79,6 +80,8 @@ class AgentRuntime:
         self._tops: dict[Key, HeadTop] = {}
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._prober: asyncio.Task[None] | None = None
+        self.owners = Owners()  # which connection each stream belongs to
+        self.loops: set[web.WebSocketResponse] = set()  # connections that are a last stage's link back here
         host.loop_up = lambda: self.loop is not None and not self.loop.closed
 
     async def async_set_next(self, url: str, delay_ms: float, mbps: float = 0.0) -> None:
@@ -112,7 +115,7 @@ class AgentRuntime:
         if old is not None:
             await old.async_close()
         if url:
-            self.loop = Link(url, delay_ms=delay_ms, mbps=mbps, on_frame=self._on_loop_reply)
+            self.loop = Link(url, delay_ms=delay_ms, mbps=mbps, on_frame=self._on_loop_reply, role="loop")
             await self.loop.async_connect()
 
     async def _on_next_reply(self, frame: bytes) -> None:
@@ -312,8 +315,15 @@ class AgentRuntime:
             log.info("refused a frame: %s", err)
         if reply is not None:
             await self._tell(reply, err)
-        if e.stream is not None and self.host.assignment is not None and e.code not in FENCED and not ended:
+        if (
+            e.stream is not None
+            and self.host.assignment is not None
+            and e.code not in FENCED
+            and not ended
+            and self.owners.may_fail(e.stream, reply, reply in self.loops)
+        ):
             # the stream's request has failed: free it here and tell the rest of the ring
+            # (only a frame from the stream's own sender can fail it: never another connection's)
             self.submit_end(err)
 
     async def async_close(self) -> None:
@@ -334,11 +344,25 @@ async def ws_handler(request: web.Request) -> web.WebSocketResponse:
     rt = request.app[RUNTIME]
     ws = web.WebSocketResponse(heartbeat=HEARTBEAT_S, max_msg_size=MAX_FRAME, compress=False)
     await ws.prepare(request)
+    if request.headers.get(LINK_HEADER) == "loop":
+        rt.loops.add(ws)
+    try:
+        return await _serve(rt, ws, request.app[FENCE], request.get("peer"))
+    finally:
+        rt.loops.discard(ws)
+        a = rt.host.assignment
+        for stream in rt.owners.release(ws):  # its streams end with it
+            if a is not None:
+                rt.submit_end(Close(term=a.term, stream=stream))
+
+
+async def _serve(
+    rt: AgentRuntime, ws: web.WebSocketResponse, fence: Fence | None, peer: str | None
+) -> web.WebSocketResponse:
     # Frames are handled in arrival order. An assignment may take minutes (a download, a cold
     # compile): it, and any frame after it on this connection, runs in a task, so that this loop
     # keeps reading, which is what answers the peer's heartbeat pings meanwhile.
     behind: asyncio.Task[None] | None = None
-    fence, peer = request.app[FENCE], request.get("peer")
     async for m in ws:
         if m.type == aiohttp.WSMsgType.BINARY:
             try:
@@ -375,6 +399,7 @@ async def _on_frame(
         if isinstance(msg, Fwd):
             frametrace.mark("recv", msg.stream, msg.seq)
             rt.host.check_term(msg.term)
+            rt.owners.admit_fwd(msg, ws, ws in rt.loops)
             rt.submit_fwd(msg, payload, ws)
         elif isinstance(msg, Head):
             frametrace.mark("head_recv", msg.stream, msg.seq)
@@ -384,6 +409,7 @@ async def _on_frame(
             if fence is not None:  # only the coordinator elected for its term (before anything changes)
                 await fence(msg.term, peer)
             assigned = await rt.host.async_assign(msg)
+            rt.owners.clear()  # the new stage holds no stream yet
             rt.clear_heads()
             await rt.async_set_next(msg.next_hop, msg.link_delay_ms, msg.link_mbps)
             loop_hop = msg.loop_hop if msg.stage == msg.stages - 1 and msg.stages > 1 else None
@@ -393,7 +419,8 @@ async def _on_frame(
             except (ConnectionError, RuntimeError):  # the coordinator left while the stage was set up
                 log.info("stage %d of term %d ready, but the coordinator that assigned it is gone", msg.stage, msg.term)
         elif isinstance(msg, Close | Error):
-            rt.submit_end(msg)
+            if rt.owners.admit_end(msg, ws):
+                rt.submit_end(msg)
         elif isinstance(msg, Ping):  # the previous stage times its link to us
             await ws.send_bytes(encode(Pong(sent=msg.sent)))
         else:

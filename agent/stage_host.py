@@ -49,6 +49,8 @@ def head_split_pays(rounds: Iterable[tuple[float, float]]) -> bool:
 
 
 STAGE_FILES = ("model.xml", "model.bin")
+MAX_MANIFEST = 1 << 20  # bytes of a stage's manifest.json
+MAX_STAGE_FILE = 1 << 40  # bytes of one stage file (the manifest's own "size" is what is enforced)
 OPTIONAL_FILES = ("head.xml", "head.bin")  # a part of the vocabulary head (manifest "head_part")
 
 
@@ -153,27 +155,31 @@ class StageHost:
             async with transport.current().session() as s:
                 base = msg.artifacts_url.rstrip("/")
                 (part / "manifest.json").unlink(missing_ok=True)
-                await self._fetch(s, f"{base}/manifest.json", part / "manifest.json", msg.link_mbps)
+                await self._fetch(s, f"{base}/manifest.json", part / "manifest.json", msg.link_mbps, MAX_MANIFEST)
                 if await asyncio.to_thread(sha256_file, part / "manifest.json") != msg.manifest_sha256:
                     raise ProtocolError("bad_artifact", "manifest hash does not match the assignment")
                 manifest = json.loads((part / "manifest.json").read_text())
                 names = [*STAGE_FILES, *(f for f in OPTIONAL_FILES if f in manifest["files"])]
                 for name in names:
-                    await self._fetch(s, f"{base}/{name}", part / name, msg.link_mbps)
+                    size = manifest["files"][name]["size"]
+                    if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_STAGE_FILE:
+                        raise ProtocolError("bad_artifact", f"{name}: the manifest declares no usable size")
+                    await self._fetch(s, f"{base}/{name}", part / name, msg.link_mbps, size)
                     if await asyncio.to_thread(sha256_file, part / name) != manifest["files"][name]["sha256"]:
                         (part / name).unlink()
                         raise ProtocolError("bad_artifact", f"{name}: sha256 does not match the manifest")
             if not dest.exists():
                 part.rename(dest)
             return dest
-        except (aiohttp.ClientError, OSError, KeyError, ValueError) as e:
+        except (aiohttp.ClientError, OSError, KeyError, ValueError, TypeError) as e:
             raise ProtocolError("bad_artifact", f"cannot fetch the stage files from {msg.artifacts_url}: {e}") from e
         finally:
             self.fetching = None
 
-    async def _fetch(self, s: aiohttp.ClientSession, url: str, path: Path, mbps: float = 0.0) -> None:
+    async def _fetch(self, s: aiohttp.ClientSession, url: str, path: Path, mbps: float, limit: int) -> None:
         """GET ``url`` into ``path``, resuming a partial file with a Range request; progress in status.
-        ``mbps``: the emulated line rate (WAN mode), which the download keeps to."""
+        ``mbps``: the emulated line rate (WAN mode), which the download keeps to; ``limit``: the
+        most bytes the file may have (a server that sends more is refused, the file removed)."""
         have = path.stat().st_size if path.exists() else 0
         headers = {"Range": f"bytes={have}-"} if have else {}
         async with s.get(url, headers=headers) as r:
@@ -188,6 +194,10 @@ class StageHost:
             t0, got = time.monotonic(), 0
             with path.open("ab" if have else "wb") as f:
                 async for chunk in r.content.iter_chunked(1 << 20):
+                    if self.fetching["bytes"] + len(chunk) > limit:
+                        f.close()
+                        path.unlink(missing_ok=True)
+                        raise ProtocolError("bad_artifact", f"GET {url}: more than the {limit} bytes expected")
                     f.write(chunk)
                     self.fetching["bytes"] += len(chunk)
                     got += len(chunk)

@@ -328,8 +328,9 @@ class Pipeline:
         if self._link is not None and not self._link.closed and self.lost is None:
             await self._link.async_send(encode(Close(term=self.term, stream=stream)))
 
-    async def async_on_frame(self, frame: bytes) -> None:
-        """A frame back from the ring (or an error from any agent)."""
+    async def async_on_frame(self, frame: bytes, from_ring: bool = False) -> None:
+        """A frame back from the ring (``from_ring``: on the return endpoint, which any node can
+        reach), or an error from an agent this coordinator connected to."""
         try:
             msg, payload = decode(frame)
             if isinstance(msg, Ids) and msg.rows:
@@ -344,6 +345,12 @@ class Pipeline:
                 )
         except ProtocolError as e:
             log.warning("bad frame on the return path: %s", e)
+            return
+        if isinstance(msg, Ids | Passed) and msg.term != self.term:
+            log.info("dropped a %s frame of term %d (this pipeline's is %d)", msg.TYPE, msg.term, self.term)
+            return
+        if from_ring and isinstance(msg, Error) and msg.stream is None:  # the ring names every error's stream
+            log.warning("ignored an error frame that names no stream: %s", msg.message[:200])
             return
         if isinstance(msg, Passed):
             _resolve(self._passed.pop((msg.stream, msg.seq), None))
@@ -364,7 +371,15 @@ class Pipeline:
             self.paused.add(node)
             self.mark_lost(node, f"the agent at {node} paused: {msg.message}")
         elif isinstance(msg, Error):
-            log.warning("stage %s reported %s: %s (stream %s)", msg.stage, msg.code, msg.message, msg.stream)
+            ours = msg.stream is None or msg.stream in self._queues or any(k[0] == msg.stream for k in self._pending)
+            log.log(
+                logging.WARNING if ours else logging.DEBUG,  # a stream this coordinator does not run: not its concern
+                "stage %s reported %s: %s (stream %s)",
+                msg.stage,
+                msg.code,
+                msg.message,
+                msg.stream,
+            )
             for stream, q in self._queues.items():
                 if msg.stream is None or stream == msg.stream:
                     q.put_nowait(PipelineError(f"stage {msg.stage}: {msg.message}", msg.code))

@@ -181,7 +181,7 @@ class Coordinator:
             await ws.prepare(request)
             async for m in ws:
                 if m.type == aiohttp.WSMsgType.BINARY and self.pipeline is not None:
-                    await self.pipeline.async_on_frame(m.data)
+                    await self.pipeline.async_on_frame(m.data, from_ring=True)
             return ws
 
         async def artifact(request: web.Request) -> web.StreamResponse:

@@ -103,7 +103,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     runners: dict[str, Callable[[], Any]] = {
         "genai": _genai_runner(exports["genai"].dir, device, props, ids, args.tokens),
     }
-    for name, key in (("mono", "genai"), ("shard1_beam", None), ("shard1_nobeam", None), ("chain2", None), ("chain2_nobeam", None)):
+    variants = ("shard1_beam", "shard1_nobeam", "chain2", "chain2_nobeam")
+    for name, key in (("mono", "genai"), *((v, None) for v in variants)):
         chain = Chain.load(exports[key or name].dir, device=device, threads=threads, exact=exact)
         runners[name] = _chain_runner(chain, ids, args.tokens)
 

@@ -26,6 +26,7 @@ VERSION = 1
 _PREFIX = struct.Struct("<2sBI")
 MAX_HEADER = 64 * 1024
 MAX_TOKENS_PER_FRAME = 32768
+MAX_HEADER_FIELDS = 64  # keys in one header map (and entries in any map inside it)
 MAX_FRAME = 256 * 1024 * 1024  # websocket max_msg_size on every link
 DEVICE_RE = re.compile(r"^[A-Z][A-Z0-9_]{0,15}(\.[0-9]{1,2})?$")  # an OpenVINO device: CPU, GPU, GPU.1
 
@@ -137,13 +138,25 @@ def decode(frame: bytes) -> tuple[Message, memoryview]:
     if hlen > MAX_HEADER or _PREFIX.size + hlen > len(frame):
         raise ProtocolError("bad_frame", f"declared header of {hlen} bytes does not fit the frame")
     try:
-        h = msgpack.unpackb(bytes(frame[_PREFIX.size : _PREFIX.size + hlen]), raw=False, strict_map_key=True)
+        h = msgpack.unpackb(
+            bytes(frame[_PREFIX.size : _PREFIX.size + hlen]),
+            raw=False,
+            strict_map_key=True,
+            max_array_len=MAX_TOKENS_PER_FRAME,
+            max_map_len=MAX_HEADER_FIELDS,
+        )
     except Exception as e:  # msgpack raises several unrelated types
         raise ProtocolError("bad_frame", f"header is not valid msgpack: {e}") from None
     if not isinstance(h, dict):
         raise ProtocolError("bad_frame", "header must be a map")
-    kind = REGISTRY.get(h.get("t"))  # type: ignore[arg-type]
+    t = h.get("t")
+    kind = REGISTRY.get(t) if isinstance(t, str) else None
     if kind is None:
-        raise ProtocolError("unknown_type", f"unknown message type {h.get('t')!r}")
-    msg = kind.parse(h)
+        raise ProtocolError("unknown_type", f"unknown message type {str(t)[:64]!r}")
+    try:
+        msg = kind.parse(h)
+    except ProtocolError:
+        raise
+    except Exception as e:  # a parser that missed a check must not take the receiver down
+        raise ProtocolError("bad_field", f"{kind.TYPE} header does not parse: {type(e).__name__}") from None
     return msg, memoryview(frame)[_PREFIX.size + hlen :]

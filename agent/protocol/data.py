@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -203,11 +204,10 @@ class Error(Message):
 
     @classmethod
     def parse(cls, h: dict[str, Any]) -> Error:
-        seq = h.get("seq")
-        stage = h.get("stage")
+        seq, stage, text = h.get("seq"), h.get("stage"), h.get("message", "")
         return Error(
             code=str_field(h.get("code"), "code", 64),
-            message=str(h.get("message", ""))[:2000],
+            message=text[:2000] if isinstance(text, str) else "",
             stream=opt_str_field(h.get("stream"), "stream", 128),
             seq=None if seq is None else int_field(seq, "seq"),
             stage=None if stage is None else int_field(stage, "stage", 0, 4096),
@@ -245,10 +245,10 @@ class Assign(Message):
             raise ProtocolError("bad_field", "exact must be true or false")
         return Assign(
             term=int_field(h.get("term"), "term"),
-            export_id=str_field(h.get("export_id"), "export_id"),
+            export_id=id_field(h.get("export_id"), "export_id"),
             stage=int_field(h.get("stage"), "stage", 0, stages - 1),
             stages=stages,
-            manifest_sha256=str_field(h.get("manifest_sha256"), "manifest_sha256", 64),
+            manifest_sha256=hex_field(h.get("manifest_sha256"), "manifest_sha256"),
             artifacts_url=str_field(h.get("artifacts_url"), "artifacts_url", 2048),
             local_dir=opt_str_field(h.get("local_dir"), "local_dir"),
             next_hop=str_field(h.get("next_hop"), "next_hop", 2048),
@@ -280,6 +280,22 @@ class Assigned(Message):
 
 
 register(Fwd, Ids, Passed, Close, Error, Assign, Assigned)
+
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+EXPORT_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def hex_field(v: Any, name: str) -> str:
+    """A sha256 in lower-case hex (it names a folder on the receiver: nothing else may pass)."""
+    if not isinstance(v, str) or not SHA256_RE.match(v):
+        raise ProtocolError("bad_field", f"{name} must be 64 lower-case hex digits")
+    return v
+
+
+def id_field(v: Any, name: str) -> str:
+    if not isinstance(v, str) or not EXPORT_ID_RE.match(v) or ".." in v:
+        raise ProtocolError("bad_field", f"{name} must be 1-128 letters, digits, '.', '_' or '-'")
+    return v
 
 
 class Step(Protocol):

@@ -8,6 +8,7 @@ logit is larger; stage 0 answers on the same connection with its rows' best (:cl
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -71,7 +72,7 @@ class HeadTop(_HeadStep):
     def parse(cls, h: dict[str, Any]) -> HeadTop:
         values, ids = h.get("values"), h.get("ids")
         ok = isinstance(values, list) and isinstance(ids, list) and 0 < len(values) == len(ids) <= MAX_HEAD_POSITIONS
-        if not ok or not all(isinstance(v, float) for v in values):  # type: ignore[union-attr]
+        if not ok or not all(isinstance(v, float) and math.isfinite(v) for v in values):  # type: ignore[union-attr]
             raise ProtocolError("bad_field", f"values and ids must be 1..{MAX_HEAD_POSITIONS} floats and ids alike")
         return HeadTop(
             *cls.step(h),
