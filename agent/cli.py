@@ -511,9 +511,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.spec_k is not None and not args.draft:
         raise CliError("--spec-k needs --draft (a draft model, NAME+lookup, or lookup)")
     from agent.security import transport
-    from agent.security.errors import SecurityError
-
     from agent.security.credentials import NotMember
+    from agent.security.errors import SecurityError
 
     try:  # node links: mutual TLS with this node's cluster credentials; plaintext only if told
         transport.use(transport.choose(args.insecure))

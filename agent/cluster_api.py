@@ -115,8 +115,7 @@ async def _join(request: web.Request) -> web.Response:
     why = await ident.on_credentials()
     st = await asyncio.to_thread(cluster.status, ident.folder)
     msg = (
-        f"joined cluster {creds.cluster_id} as node {creds.node_id} "
-        f"(certificate valid until {creds.expires:%Y-%m-%d})"
+        f"joined cluster {creds.cluster_id} as node {creds.node_id} (certificate valid until {creds.expires:%Y-%m-%d})"
     )
     return web.json_response({**st, "message": msg, "agent_error": why})
 
@@ -136,7 +135,7 @@ async def _invite(request: web.Request) -> web.Response:
     except SecurityError as e:
         return _error(e)
     plural = "s" if uses > 1 else ""
-    hint = f"valid for {expires_text}, {uses} use{plural}, through {address}; on the new node: lakeshard cluster join TOKEN"
+    hint = f"valid for {expires_text}, {uses} use{plural}, through {address}; on the new node: 'cluster join TOKEN'"
     return web.json_response({"token": token, "expires_s": expires, "uses": uses, "address": address, "message": hint})
 
 

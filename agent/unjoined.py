@@ -109,7 +109,7 @@ class LocalAgent:
                 return self.error
             try:
                 await self._start_daemon()
-            except Exception as e:  # noqa: BLE001 (a port taken, damaged credentials: said, and waited out)
+            except Exception as e:
                 self.error, self._failed_on = str(e) or type(e).__name__, seen
                 log.error("cannot start as a cluster member: %s", self.error)
             return self.error
@@ -154,7 +154,11 @@ class LocalAgent:
         d = self.daemon
         if d is not None:
             creds = d.transport.creds
-            return {**d.node_status(), "links": "tls" if creds else "plaintext", "holds_ca": bool(creds and creds.holds_ca)}
+            return {
+                **d.node_status(),
+                "links": "tls" if creds else "plaintext",
+                "holds_ca": bool(creds and creds.holds_ca),
+            }
         return {
             "node": self.node,
             "name": self.settings.name or socket.gethostname()[:64] or None,
@@ -184,7 +188,14 @@ class LocalAgent:
     def cluster_status(self) -> dict[str, Any]:
         if self.daemon is not None:
             return self.daemon.cluster_status()
-        return {"node": self.node, "role": NO_CLUSTER, "peers": [], "coordinator": None, "term": 0, "hint": NO_CLUSTER_HINT}
+        return {
+            "node": self.node,
+            "role": NO_CLUSTER,
+            "peers": [],
+            "coordinator": None,
+            "term": 0,
+            "hint": NO_CLUSTER_HINT,
+        }
 
     def set_state(self, state: str, for_s: float | None = None) -> None:
         if self.daemon is None:
