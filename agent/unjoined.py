@@ -22,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from agent import __version__
@@ -141,7 +142,7 @@ class LocalAgent:
 
     # -- what the local API asks ---------------------------------------------------------------
     @property
-    def session(self) -> Any:
+    def session(self) -> aiohttp.ClientSession | None:
         return self.daemon.session if self.daemon is not None else None
 
     def coordinator_target(self) -> Target | None:
