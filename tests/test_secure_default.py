@@ -40,8 +40,8 @@ pytestmark = pytest.mark.timeout(240)
 class Agent:
     """``lakeshard agent`` in its own home, without --insecure; its output kept line by line."""
 
-    def __init__(self, home: Path, *extra: str) -> None:
-        self.home, self.port, self.api = home, free_port(), free_port()
+    def __init__(self, home: Path, *extra: str, port: int | None = None) -> None:
+        self.home, self.port, self.api = home, port or free_port(), free_port()
         (home / "config").mkdir(parents=True)
         # the CLI names the node of the settings' port: the one this agent serves
         (home / "config" / "config.yaml").write_text(f"port: {self.port}\n", encoding="utf-8")
