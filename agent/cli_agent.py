@@ -109,10 +109,6 @@ def run_agent(args: argparse.Namespace) -> int:
         throttle=args.throttle != "off",
         insecure=args.insecure or settings.insecure,
     )
-    if settings.insecure and not args.insecure:
-        import logging
-
-        logging.getLogger("agent").warning("'insecure: true' in the settings: plaintext links between nodes")
     from agent.unjoined import run_agent as run_local_agent
 
     try:

@@ -7,6 +7,10 @@
 * ``POST /v1/cluster/revoke`` ``{"node": "0123456789ab"}``: revoke a node;
 * ``GET /v1/cluster/identity``: what this node holds (``lakeshard cluster status --json``).
 
+They answer only local programs: a request that names another host (DNS rebinding) or comes
+from a web page (an ``Origin`` header: browsers send one with every POST) is refused with 403,
+so no page the user visits can join this laptop to a cluster of its choosing.
+
 Each calls :mod:`agent.security.cluster` off the event loop; a failure is its one-line message,
 as the CLI prints it, in ``{"error": {"message", "type", "code"}}``: 409 ``not_in_cluster``,
 ``in_cluster`` or ``not_ca_holder`` where this node's membership does not allow it, else 400
@@ -18,11 +22,13 @@ answer's ``agent_error`` says why it could not).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -32,6 +38,7 @@ from agent.security.credentials import NotMember
 from agent.security.errors import SecurityError
 
 JOIN_TIMEOUT_S = 10.0
+LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
 @dataclass
@@ -47,13 +54,32 @@ class Identity:
 IDENTITY: web.AppKey[Identity] = web.AppKey("identity")
 
 
+Handler = Callable[[web.Request], Awaitable[web.Response]]
+
+
+def local_only(handler: Handler) -> Handler:
+    """Refuse what a browser could send: another Host (DNS rebinding), or any Origin."""
+
+    @functools.wraps(handler)
+    async def guarded(request: web.Request) -> web.Response:
+        try:
+            host = urlsplit("//" + (request.host or "")).hostname
+        except ValueError:
+            host = None
+        if host not in LOCAL_HOSTS or "Origin" in request.headers:
+            return api_error(403, "cluster identity is changed only by local programs, not web pages", "forbidden")
+        return await handler(request)
+
+    return guarded
+
+
 def add_cluster_api(app: web.Application, ident: Identity) -> None:
     app[IDENTITY] = ident
-    app.router.add_post("/v1/cluster/init", _init)
-    app.router.add_post("/v1/cluster/join", _join)
-    app.router.add_post("/v1/cluster/invite", _invite)
-    app.router.add_post("/v1/cluster/revoke", _revoke)
-    app.router.add_get("/v1/cluster/identity", _identity)
+    app.router.add_post("/v1/cluster/init", local_only(_init))
+    app.router.add_post("/v1/cluster/join", local_only(_join))
+    app.router.add_post("/v1/cluster/invite", local_only(_invite))
+    app.router.add_post("/v1/cluster/revoke", local_only(_revoke))
+    app.router.add_get("/v1/cluster/identity", local_only(_identity))
 
 
 def _error(e: SecurityError) -> web.Response:

@@ -77,6 +77,9 @@ RESTART_KEYS = (
 )
 
 
+INSECURE_WHY = "--insecure, or 'insecure: true' in the settings"
+
+
 @dataclass(frozen=True)
 class DaemonOptions:
     host: str = "0.0.0.0"
@@ -95,7 +98,7 @@ class AgentDaemon:
         self.settings, self.opts = settings, opts
         self.config_path = config_path  # the settings file it was started with (None: the default)
         # node links: mutual TLS when this node has cluster credentials (chosen once, here)
-        self.transport = transport.use(transport.choose(opts.insecure))
+        self.transport = transport.use(transport.choose(opts.insecure, why=INSECURE_WHY))
         creds = self.transport.creds
         if creds is not None and settings.cluster_id != creds.cluster_id:
             if settings.cluster_id != "default":

@@ -106,6 +106,8 @@ class LocalAgent:
         """Start as a member if there are credentials not yet tried; why it failed, if it did."""
         async with self._lock:
             seen = self._credentials()
+            if self.daemon is not None and not self.daemon.transport.secure:
+                return "this agent runs --insecure (plaintext): restart it without to use the cluster's credentials"
             if self.daemon is not None or seen is None or seen == self._failed_on:
                 return self.error
             try:

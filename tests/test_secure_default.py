@@ -40,11 +40,11 @@ pytestmark = pytest.mark.timeout(240)
 class Agent:
     """``lakeshard agent`` in its own home, without --insecure; its output kept line by line."""
 
-    def __init__(self, home: Path, *extra: str, port: int | None = None) -> None:
+    def __init__(self, home: Path, *extra: str, port: int | None = None, config: str = "") -> None:
         self.home, self.port, self.api = home, port or free_port(), free_port()
         (home / "config").mkdir(parents=True)
         # the CLI names the node of the settings' port: the one this agent serves
-        (home / "config" / "config.yaml").write_text(f"port: {self.port}\n", encoding="utf-8")
+        (home / "config" / "config.yaml").write_text(f"port: {self.port}\n{config}", encoding="utf-8")
         self.env = {"LAKESHARD_HOME": str(home)}
         cmd = [sys.executable, "-m", "agent", "agent", "--host", "127.0.0.1", "--port", str(self.port)]
         cmd += ["--api-port", str(self.api), "--device", "CPU", "--throttle", "off", "--interface", "127.0.0.1"]
@@ -64,9 +64,13 @@ class Agent:
             d: dict[str, Any] = json.loads(r.read())
             return d
 
-    def post(self, path: str, body: dict[str, Any], timeout: float = 30) -> tuple[int, dict[str, Any]]:
+    def post(
+        self, path: str, body: dict[str, Any], timeout: float = 30, headers: dict[str, str] | None = None
+    ) -> tuple[int, dict[str, Any]]:
         req = urllib.request.Request(
-            f"http://127.0.0.1:{self.api}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"}
+            f"http://127.0.0.1:{self.api}{path}",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json", **(headers or {})},
         )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -162,6 +166,11 @@ def test_without_credentials_an_agent_waits_for_a_cluster(agents: tuple[Agent, A
         status, body = ag.post("/v1/cluster/invite", {})
         assert status == 409 and body["error"]["code"] == "not_in_cluster", body
         assert ag.get("/v1/cluster/identity")["member"] is False
+    # no web page can do it for the user: a browser's Origin, or another Host (DNS rebinding)
+    for headers in ({"Origin": "https://example.com"}, {"Host": f"evil.example:{a.api}"}):
+        status, body = a.post("/v1/cluster/init", {}, headers=headers)
+        assert status == 403 and body["error"]["code"] == "forbidden", body
+    assert not (a.security / files.NODE_CERT).exists()
     udp.settimeout(2.0)  # its static peer hears nothing (an elector would beat several times a second)
     with pytest.raises(TimeoutError):
         udp.recvfrom(2048)
@@ -234,7 +243,18 @@ def test_serve_without_credentials_refuses_to_start(tmp_path: Path) -> None:
     assert "--insecure" in lines[0]
 
 
-def test_the_insecure_setting() -> None:
+def test_the_insecure_setting(tmp_path: Path) -> None:
     assert parse({"insecure": True}).insecure and not parse({}).insecure
     with pytest.raises(ConfigError, match="insecure: must be true or false"):
         parse({"insecure": "yes"})
+    # 'insecure: true' in the settings: plaintext at once, said loudly
+    a = Agent(tmp_path / "home", "--no-mdns", "--standalone", config="insecure: true\n")
+    try:
+        until("it to listen", lambda: any("listening on" in x for x in a.lines), 60)
+        assert any(f"127.0.0.1:{a.port} (PLAINTEXT)" in x for x in a.lines), a.lines
+        assert any(x.startswith("WARNING") and "PLAINTEXT" in x for x in a.lines), a.lines
+        got = exchange(a.port, None)
+        assert isinstance(got, tuple) and got[0].startswith(b"HTTP/1.1 200"), got
+        assert not no_cluster_warnings(a)
+    finally:
+        a.stop()
