@@ -3,6 +3,10 @@
 :class:`TrayApp` follows the local agent (``/v1/node``, every ``poll_s``) and the cluster's
 event stream, keeps the icon and tooltip current, rebuilds its menu each time it opens, and
 notifies the user of what concerns them. All network work is asyncio on the Qt loop.
+
+In a cluster or not: an agent with no cluster credentials waits for one (``no_cluster``), and
+the menu then offers *Create a new cluster…* and *Join a cluster…* (:mod:`gui.cluster`); on the
+laptop that holds the cluster's CA it offers *Invite a laptop…*, and the node map a revoke.
 """
 
 from __future__ import annotations
