@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import ipaddress
 import logging
 import socket
@@ -297,6 +298,7 @@ class AgentDaemon:
 
     async def _coordinate(self) -> None:
         """Run the coordinator's services while this node is the elected coordinator."""
+        await asyncio.to_thread(importlib.import_module, "coordinator.role")  # (torch: seconds, off the loop)
         from coordinator.limits import TOTAL_INFLIGHT, Limits
         from coordinator.role import CoordinatorRole
 
