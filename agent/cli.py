@@ -202,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument(
         "--insecure",
         action="store_true",
-        help="plaintext links to the agents even with cluster credentials (benchmarks, tests); logged loudly",
+        help="plaintext links to the agents (benchmarks, tests; their agents run --insecure too); logged loudly. "
+        "Without it, serve needs this node's cluster credentials",
     )
 
     ch = sub.add_parser("chat", help="chat in the terminal with a coordinator's API")
@@ -523,10 +524,13 @@ def _serve(args: argparse.Namespace) -> int:
     if args.spec_k is not None and not args.draft:
         raise CliError("--spec-k needs --draft (a draft model, NAME+lookup, or lookup)")
     from agent.security import transport
+    from agent.security.credentials import NotMember
     from agent.security.errors import SecurityError
 
-    try:  # node links: mutual TLS with this node's cluster credentials, if it has any
+    try:  # node links: mutual TLS with this node's cluster credentials; plaintext only if told
         transport.use(transport.choose(args.insecure))
+    except NotMember as e:
+        raise CliError(f"{e}; or --insecure for plaintext links (tests, benchmarks)") from None
     except SecurityError as e:
         raise CliError(str(e)) from None
     model = ModelStore().resolve(args.model)

@@ -55,7 +55,9 @@ def add_parsers(sub: Any, port_type: Any, positive_int: Any) -> None:
     ag.add_argument(
         "--insecure",
         action="store_true",
-        help="plaintext links between nodes even with cluster credentials (benchmarks, tests); logged loudly",
+        help="plaintext links between nodes (benchmarks, tests; also 'insecure: true' in the settings); logged "
+        "loudly. Without it an agent never speaks plaintext: with no cluster credentials it waits for "
+        "'lakeshard cluster init' or 'cluster join' (its status API only)",
     )
     st = sub.add_parser("status", help="show this node, its peers and the coordinator, as the local agent sees them")
     st.add_argument("--api-port", type=port_type, default=None, help="the local agent's status API port")
@@ -88,7 +90,7 @@ def run_agent(args: argparse.Namespace) -> int:
         )
     except ConfigError as e:
         raise AgentCliError(str(e)) from None
-    from agent.daemon import DaemonOptions, run_daemon
+    from agent.daemon import DaemonOptions
     from agent.logs import set_file_level
 
     set_file_level(settings.log_level)
@@ -105,10 +107,12 @@ def run_agent(args: argparse.Namespace) -> int:
         head_help=args.head_help,
         standalone=args.standalone,
         throttle=args.throttle != "off",
-        insecure=args.insecure,
+        insecure=args.insecure or settings.insecure,
     )
+    from agent.unjoined import run_agent as run_local_agent
+
     try:
-        run_daemon(settings, opts, args.config)
+        run_local_agent(settings, opts, args.config)
     except (StateError, OSError, SecurityError) as e:
         raise AgentCliError(str(e)) from None
     return 0
@@ -148,6 +152,10 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 def format_status(node: dict[str, Any], cluster: dict[str, Any]) -> str:
+    if node.get("state") == "no_cluster":
+        return f"node {node['node']}: {node.get('hint') or 'not in a cluster'}" + (
+            f"\nlast start as a member failed: {node['error']}" if node.get("error") else ""
+        )
     coord = cluster.get("coordinator") or "none (election in progress)"
     lines = [
         f"node {node['node']} in cluster {node['cluster']}: {node['role']}, {node['state']}; "

@@ -11,6 +11,9 @@ import json
 import sys
 from typing import Any
 
+# an agent without credentials polls its security folder (agent/unjoined.py)
+WAITING_AGENT = "an agent waiting for a cluster on this machine starts as a member within a second"
+
 
 def add_parsers(sub: Any) -> None:
     cl = sub.add_parser("cluster", help="cluster identity: make a CA, invite and join nodes, revoke them")
@@ -73,6 +76,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         creds = cluster.init_cluster(_node(), force=args.force)
         print(f"cluster {creds.cluster_id}: made; node {creds.node_id} holds its CA and is its first member")
         print(f"keys in {creds.folder}; add nodes with 'lakeshard cluster invite'", file=sys.stderr)
+        print(WAITING_AGENT, file=sys.stderr)
     elif cmd == "invite":
         expires, uses = tokens.parse_duration(args.expires), tokens.parse_uses(args.uses)
         address = args.address or default_address()
@@ -90,6 +94,7 @@ def run_cluster(args: argparse.Namespace) -> int:
             f"joined cluster {creds.cluster_id} as node {creds.node_id} "
             f"(certificate valid until {creds.expires:%Y-%m-%d})"
         )
+        print(WAITING_AGENT, file=sys.stderr)
     elif cmd == "revoke":
         before = cluster.status().get("revocation_version")
         rl = cluster.revoke(args.node)

@@ -15,6 +15,8 @@ halfway through start-up. Example::
       exclude: ["9c1d..."]               # node ids that must never coordinate
       min_coordinator_memory_gb: 2.0
     log_level: info     # what the log file keeps (debug, info, warning, error)
+    insecure: false     # true: plaintext links between nodes, logged loudly (benchmarks and tests only;
+                        # without it an agent with no cluster credentials waits for 'cluster init|join')
     throttle:           # when this laptop yields to its user (see agent/throttle/settings.py)
       idle_minutes: 2
       temp_high_c: 90
@@ -61,6 +63,7 @@ class Settings:
     min_coordinator_memory: int = 2 * 1024**3
     interface: str | None = None  # the address to advertise (default: every interface's)
     name: str | None = None  # what node maps call this laptop (default: its host name)
+    insecure: bool = False  # plaintext links between nodes (benchmarks, tests): never the default
     log_level: str = "debug"  # what the log file keeps: debug, info, warning or error
     models_dir: str | None = None  # where models are stored (default: the cache folder)
     throttle: ThrottleSettings = field(default_factory=ThrottleSettings)  # when to yield to the user
@@ -148,6 +151,7 @@ KNOWN = {
     "models_dir",
     "name",
     "throttle",
+    "insecure",
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
 WEIGHTS = ("fp32", "fp16", "int8", "int4")
@@ -196,6 +200,9 @@ def parse(d: Any) -> Settings:
     level = d.get("log_level", "debug")
     if level not in LOG_LEVELS:
         raise ConfigError(f"log_level: {level!r} must be one of {', '.join(LOG_LEVELS)}")
+    insecure = d.get("insecure", False)
+    if not isinstance(insecure, bool):
+        raise ConfigError("insecure: must be true or false")
     mdir = d.get("models_dir")
     if mdir is not None and (not isinstance(mdir, str) or not mdir.strip()):
         raise ConfigError("models_dir: must be a folder path")
@@ -210,6 +217,7 @@ def parse(d: Any) -> Settings:
         min_coordinator_memory=int(mem * 1024**3),
         interface=iface,
         name=name,
+        insecure=insecure,
         throttle=throttle,
         log_level=level,
         models_dir=mdir,

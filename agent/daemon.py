@@ -4,8 +4,9 @@ One process, one event loop, four parts:
 
 * the stage server (:mod:`agent.server`) on the public port (TCP): websockets for the ring,
   and the cluster identity routes (:mod:`agent.security.routes`: the CA, joining, revocations);
-  mutual TLS when this node has cluster credentials (:mod:`agent.security.transport`), else
-  plaintext with a loud warning (and always with ``--insecure``);
+  mutual TLS with this node's cluster credentials (:mod:`agent.security.transport`), plaintext
+  only when told (``--insecure``), with a loud warning. ``lakeshard agent`` constructs a daemon
+  only once this node is in a cluster (:mod:`agent.unjoined`, which also serves its local API);
 * peer messages on the same port number (UDP): beats, votes and fencing (:mod:`agent.elector`);
 * mDNS advertisement and browsing (:mod:`agent.discovery`), unless switched off, plus the
   static peers from the settings;
@@ -23,9 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import ipaddress
 import logging
-import signal
 import socket
 import ssl
 import time
@@ -44,7 +45,7 @@ from agent.election import Role, Timing, data_term
 from agent.elector import Elector, LocalNode
 from agent.gateway import Target, add_member_routes
 from agent.identity import TermStore, node_id
-from agent.local_api import make_local_app
+from agent.local_api import make_local_app, serve_local
 from agent.paths import agent_state_dir, log_dir
 from agent.protocol.events import NodeInfo
 from agent.security import transport
@@ -73,7 +74,11 @@ RESTART_KEYS = (
     "serve_api_rate",
     "serve_api_concurrency",
     "models_dir",
+    "insecure",
 )
+
+
+INSECURE_WHY = "--insecure, or 'insecure: true' in the settings"
 
 
 @dataclass(frozen=True)
@@ -85,7 +90,7 @@ class DaemonOptions:
     head_help: str = "auto"  # "auto", "on" or "off"
     standalone: bool = False
     throttle: bool = True  # follow the throttle policy (settings: throttle.enabled); off for local clusters
-    insecure: bool = False  # plaintext node links even when this node has cluster credentials
+    insecure: bool = False  # plaintext node links (never without it: no credentials is an error)
     timing: Timing = field(default_factory=Timing)
 
 
@@ -94,7 +99,7 @@ class AgentDaemon:
         self.settings, self.opts = settings, opts
         self.config_path = config_path  # the settings file it was started with (None: the default)
         # node links: mutual TLS when this node has cluster credentials (chosen once, here)
-        self.transport = transport.use(transport.choose(opts.insecure))
+        self.transport = transport.use(transport.choose(opts.insecure, why=INSECURE_WHY))
         creds = self.transport.creds
         if creds is not None and settings.cluster_id != creds.cluster_id:
             if settings.cluster_id != "default":
@@ -133,6 +138,7 @@ class AgentDaemon:
         self.discovery: Discovery | None = None
         self.capacity: dict[str, Any] | None = None
         self.api_port = settings.api_port
+        self.serves_local_api = True
         self.started = time.time()
         self._advertised: Advert | None = None
         self._runners: list[web.AppRunner] = []
@@ -162,13 +168,8 @@ class AgentDaemon:
                 f"the data port {self.opts.host}:{self.settings.port} is taken ({e.strerror or e}); another agent may "
                 "be running: give this one another --port (or 'port' in the settings)"
             ) from None
-        try:
-            self.api_port = await self._serve(make_local_app(self), "127.0.0.1", self.settings.api_port)
-        except OSError as e:
-            raise OSError(
-                f"the status API cannot listen on 127.0.0.1:{self.settings.api_port} ({e.strerror or e}); "
-                "another agent may be running: give this one --api-port 0 (any free port) or another number"
-            ) from None
+        if self.serves_local_api:  # else agent.unjoined.LocalAgent serves it (and set api_port)
+            self.api_port = await serve_local(self._runners, make_local_app(self), self.settings.api_port)
         if not self.opts.standalone:
             signed = for_credentials(self.transport.creds)  # election datagrams: signed with credentials
             self.elector = Elector(self.me, self.settings, self.store, self.opts.timing, signed)
@@ -297,6 +298,7 @@ class AgentDaemon:
 
     async def _coordinate(self) -> None:
         """Run the coordinator's services while this node is the elected coordinator."""
+        await asyncio.to_thread(importlib.import_module, "coordinator.role")  # (torch: seconds, off the loop)
         from coordinator.limits import TOTAL_INFLIGHT, Limits
         from coordinator.role import CoordinatorRole
 
@@ -517,32 +519,6 @@ async def _started(d: AgentDaemon) -> AgentDaemon:
         await d.async_shutdown()  # what did start (sockets, the HTTP session) is closed again
         raise
     return d
-
-
-async def _main(settings: Settings, opts: DaemonOptions, config_path: Any = None) -> None:
-    d = await _started(AgentDaemon(settings, opts, config_path))
-    mode = "standalone" if opts.standalone else f"cluster {d.settings.cluster_id}"
-    links = "TLS" if d.transport.secure else "PLAINTEXT"
-    print(
-        f"lakeshard agent {d.node} ({mode}) listening on {opts.host}:{d.me.port} ({links}), "
-        f"status API on 127.0.0.1:{d.api_port}",
-        flush=True,
-    )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):  # Windows
-            loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await d.async_shutdown()
-
-
-def run_daemon(settings: Settings, opts: DaemonOptions, config_path: Any = None) -> None:
-    from agent.aio import run
-
-    run(_main(settings, opts, config_path))
 
 
 @contextlib.asynccontextmanager

@@ -55,7 +55,8 @@ class Target:
 class Door(Protocol):
     """What the gateway needs of the daemon."""
 
-    session: aiohttp.ClientSession | None
+    @property
+    def session(self) -> aiohttp.ClientSession | None: ...
 
     def coordinator_target(self) -> Target | None: ...
 

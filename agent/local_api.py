@@ -9,7 +9,11 @@
   agent's own parser before it is written (``{"settings": {...}}`` or ``{"text": "..."}``);
   election settings apply at once, the rest is listed under ``restart``;
 * ``GET /v1/models``, ``POST /v1/chat/completions``, ``GET /v1/cluster/events``: the
-  coordinator's, wherever it runs (:mod:`agent.gateway`).
+  coordinator's, wherever it runs (:mod:`agent.gateway`);
+* on ``lakeshard agent``, the cluster identity routes too (:mod:`agent.cluster_api`).
+
+It serves an :class:`agent.daemon.AgentDaemon`, or :class:`agent.unjoined.LocalAgent` (the same
+answers, and ``no_cluster`` ones while this node waits for a cluster).
 """
 
 from __future__ import annotations
@@ -18,30 +22,62 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import yaml
 from aiohttp import web
 
 from agent.config import ConfigError, Settings, config_file, load, parse
-from agent.gateway import add_local_routes, describe, json_errors
+from agent.gateway import Door, Target, add_local_routes, describe, json_errors
 from agent.logs import set_file_level
 from agent.paths import write_text_atomic
 from agent.protocol.control import STATES
-
-if TYPE_CHECKING:
-    from agent.daemon import AgentDaemon
 
 log = logging.getLogger(__name__)
 MAX_BODY = 8 * 1024 * 1024  # chat requests pass through here (the coordinator's own limit)
 MAX_PAUSE_S = 366 * 24 * 3600
 
 
+class NotJoined(Exception):
+    """This agent waits for a cluster: it has no state to switch (the message says what to do)."""
+
+
+class Agent(Door, Protocol):
+    """What the local API needs of the agent."""
+
+    config_path: Any
+
+    def node_status(self) -> dict[str, Any]: ...
+
+    def cluster_status(self) -> dict[str, Any]: ...
+
+    def coordinator_target(self) -> Target | None: ...
+
+    def set_state(self, state: str, for_s: float | None = None) -> None: ...
+
+    def apply_settings(self, new: Settings, before: Settings | None = None) -> list[str]: ...
+
+
+async def serve_local(runners: list[web.AppRunner], app: web.Application, port: int) -> int:
+    """Serve the local API on 127.0.0.1:``port`` (0: any free port); the port it got."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    runners.append(runner)
+    try:
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+    except OSError as e:
+        raise OSError(
+            f"the status API cannot listen on 127.0.0.1:{port} ({e.strerror or e}); "
+            "another agent may be running: give this one --api-port 0 (any free port) or another number"
+        ) from None
+    return int(runner.addresses[-1][1])
+
+
 def _bad(message: str) -> web.Response:
     return web.json_response({"error": message}, status=400)
 
 
-def make_local_app(daemon: AgentDaemon) -> web.Application:
+def make_local_app(daemon: Agent) -> web.Application:
     app = web.Application(client_max_size=MAX_BODY, middlewares=[json_errors])
     app[DAEMON] = daemon
     app.router.add_get("/v1/node", _node)
@@ -53,7 +89,7 @@ def make_local_app(daemon: AgentDaemon) -> web.Application:
     return app
 
 
-DAEMON: web.AppKey[AgentDaemon] = web.AppKey("daemon")
+DAEMON: web.AppKey[Agent] = web.AppKey("daemon")
 
 
 async def _node(request: web.Request) -> web.Response:
@@ -84,11 +120,14 @@ async def _set_state(request: web.Request) -> web.Response:
         or not 0 < for_s <= MAX_PAUSE_S
     ):
         return _bad(f"for_s must be a number of seconds in (0, {MAX_PAUSE_S}]")
-    d.set_state(state, for_s)
+    try:
+        d.set_state(state, for_s)
+    except NotJoined as e:
+        return web.json_response({"error": str(e)}, status=409)
     return web.json_response(d.node_status())
 
 
-def _settings_path(d: AgentDaemon) -> Path:
+def _settings_path(d: Agent) -> Path:
     return Path(d.config_path) if d.config_path else config_file()
 
 

@@ -134,7 +134,8 @@ class LocalCluster:
                         break
                 if time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"agent on port {port} did not start within {timeout:.0f}s")
+                    why = " (secure: without credentials in its home it waits for a cluster)" if self.secure else ""
+                    raise RuntimeError(f"agent on port {port} did not start within {timeout:.0f}s{why}")
                 time.sleep(0.1)
         return self
 

@@ -18,6 +18,8 @@ import aiohttp
 from agent.protocol.events import MAX_EVENT_BYTES, Event, parse_event
 
 TIMEOUT = aiohttp.ClientTimeout(total=10, sock_connect=3)
+# joining waits for the cluster member the token names (the agent gives it 10 s, TLS then plain)
+JOIN_TIMEOUT = aiohttp.ClientTimeout(total=45, sock_connect=3)
 
 
 class Unreachable(Exception):
@@ -76,9 +78,9 @@ class Client:
         if self._session is not None:
             await self._session.close()
 
-    async def _json(self, method: str, url: str, **kw: Any) -> Any:
+    async def _json(self, method: str, url: str, timeout: aiohttp.ClientTimeout = TIMEOUT, **kw: Any) -> Any:
         try:
-            async with self.session.request(method, url, timeout=TIMEOUT, **kw) as r:
+            async with self.session.request(method, url, timeout=timeout, **kw) as r:
                 await _raise_for(r)
                 return await r.json(content_type=None)
         except (aiohttp.ClientConnectionError, TimeoutError) as e:
@@ -107,6 +109,31 @@ class Client:
     async def put_settings(self, settings: dict[str, Any] | None = None, text: str | None = None) -> dict[str, Any]:
         body = {"settings": settings} if text is None else {"text": text}
         d: dict[str, Any] = await self._json("PUT", f"{self.agent_url}/v1/settings", json=body)
+        return d
+
+    # -- cluster identity, through the local agent (agent/cluster_api.py) ---------------------
+    async def cluster_identity(self) -> dict[str, Any]:
+        d: dict[str, Any] = await self._json("GET", f"{self.agent_url}/v1/cluster/identity")
+        return d
+
+    async def cluster_init(self) -> dict[str, Any]:
+        d: dict[str, Any] = await self._json("POST", f"{self.agent_url}/v1/cluster/init", json={})
+        return d
+
+    async def cluster_join(self, token: str) -> dict[str, Any]:
+        url = f"{self.agent_url}/v1/cluster/join"
+        d: dict[str, Any] = await self._json("POST", url, json={"token": token}, timeout=JOIN_TIMEOUT)
+        return d
+
+    async def cluster_invite(self, expires: str = "24h", uses: int = 1, address: str | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"expires": expires, "uses": uses}
+        if address:
+            body["address"] = address
+        d: dict[str, Any] = await self._json("POST", f"{self.agent_url}/v1/cluster/invite", json=body)
+        return d
+
+    async def cluster_revoke(self, node: str) -> dict[str, Any]:
+        d: dict[str, Any] = await self._json("POST", f"{self.agent_url}/v1/cluster/revoke", json={"node": node})
         return d
 
     # -- the coordinator ---------------------------------------------------------------------

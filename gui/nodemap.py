@@ -4,8 +4,8 @@ Fed only by the coordinator's event stream (through the tray): each node with it
 state colour, device, layer range, memory, temperature and tok/s; the ring in stage order
 with each node's round trip to the coordinator; the coordinator marked; re-plans and
 failovers in the log as they happen. Clicking a node shows its details; this laptop's own
-node can be paused, excluded from or preferred for coordinating (other nodes' controls come
-with the cluster's credentials).
+node can be paused, excluded from or preferred for coordinating; on the laptop that holds the
+cluster's CA, another node can be revoked (after a confirmation): every member then refuses it.
 """
 
 from __future__ import annotations
@@ -219,10 +219,18 @@ def _arrow(p: QPainter, a: QPointF, b: QPointF) -> None:
 
 
 class NodeMapWindow(QMainWindow):
-    def __init__(self, client: Client, me: Callable[[], str | None] = lambda: None) -> None:
+    def __init__(
+        self,
+        client: Client,
+        me: Callable[[], str | None] = lambda: None,
+        holds_ca: Callable[[], bool] = lambda: False,
+        confirm: Callable[[str, str], bool] | None = None,
+    ) -> None:
         super().__init__()
         self.client = client
         self.me = me
+        self.holds_ca = holds_ca  # whether this laptop holds the cluster's CA (it may revoke nodes)
+        self.confirm = confirm or _ask
         self.view: ClusterView | None = None
         self.names: dict[str, str] = {}
         self.log_lines: list[str] = []
@@ -241,13 +249,15 @@ class NodeMapWindow(QMainWindow):
         self.exclude_btn.clicked.connect(lambda: self._election("exclude"))
         self.prefer_btn = QPushButton("Prefer as coordinator")
         self.prefer_btn.clicked.connect(lambda: self._election("preferred"))
+        self.revoke_btn = QPushButton("Revoke this laptop…")
+        self.revoke_btn.clicked.connect(self.revoke_selected)
         self.note = QLabel("")
         self.note.setWordWrap(True)
         self.note.setStyleSheet("color:#6b7280")
         side = QWidget()
         sv = QVBoxLayout(side)
         sv.addWidget(self.details, 1)
-        for b in (self.pause_btn, self.exclude_btn, self.prefer_btn):
+        for b in (self.pause_btn, self.exclude_btn, self.prefer_btn, self.revoke_btn):
             sv.addWidget(b)
         sv.addWidget(self.note)
         self.log = QListWidget()
@@ -315,11 +325,32 @@ class NodeMapWindow(QMainWindow):
         for b in (self.pause_btn, self.exclude_btn, self.prefer_btn):
             b.setEnabled(mine and n is not None)
         self.pause_btn.setText("Resume this node" if n is not None and n.state == "paused" else "Pause this node")
+        other = self.selected is not None and not mine
+        self.revoke_btn.setEnabled(other and self.holds_ca())
         self.note.setText(
-            ""
-            if mine or self.selected is None
-            else "Actions on other laptops need the cluster's credentials; from here, this laptop's own node only."
+            "Only the laptop that holds the cluster's CA (the one that made it) can revoke another laptop."
+            if other and not self.holds_ca()
+            else ""
         )
+
+    def revoke_selected(self) -> None:
+        """Revoke the selected node (after a confirmation): every member refuses it from then on."""
+        node = self.selected
+        if node is None or node == self.me() or not self.holds_ca():
+            return
+        name = self.names.get(node, node)
+        if not self.confirm(
+            "Revoke a laptop",
+            f"Revoke {name} (node {node})? Every laptop of the cluster will refuse it from now on; "
+            "it can only come back by joining again with a new token.",
+        ):
+            return
+
+        async def go() -> None:
+            r = await self.client.cluster_revoke(node)
+            self.note.setText(str(r.get("message") or f"revoked node {node}"))
+
+        self._spawn(go())
 
     def _toggle_pause(self) -> None:
         n = self.view.node(self.selected) if (self.view is not None and self.selected) else None
@@ -356,3 +387,9 @@ class NodeMapWindow(QMainWindow):
         t = asyncio.ensure_future(guarded())
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
+
+
+def _ask(title: str, text: str) -> bool:
+    from gui.cluster import ask
+
+    return ask(title, text)

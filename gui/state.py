@@ -22,7 +22,7 @@ class TrayState(enum.StrEnum):
     PAUSED_HEAT = "paused-heat"  # paused because it is hot or on battery
     COORDINATOR = "coordinator"  # coordinating the cluster
     ERROR = "error"  # the agent failed or cannot be reached
-    NO_CLUSTER = "no-cluster"  # no coordinator (alone, starting, or an election under way)
+    NO_CLUSTER = "no-cluster"  # not in a cluster yet, or no coordinator (alone, starting, an election)
 
 
 TOOLTIPS = {
@@ -36,7 +36,18 @@ TOOLTIPS = {
     TrayState.NO_CLUSTER: "no cluster",
 }
 
+NO_CLUSTER = "no_cluster"  # /v1/node's state while the agent waits for 'cluster init' or 'join'
 HEAT_OR_BATTERY = ("heat", "hot", "temperature", "thermal", "battery", "power")
+
+
+def waiting_for_cluster(node: dict[str, Any] | None) -> bool:
+    """Whether the agent is in no cluster yet (the menu then offers to make or join one)."""
+    return node is not None and node.get("state") == NO_CLUSTER
+
+
+def holds_ca(node: dict[str, Any] | None) -> bool:
+    """Whether this laptop holds its cluster's CA (it can invite laptops and revoke them)."""
+    return node is not None and node.get("state") != NO_CLUSTER and bool(node.get("holds_ca"))
 
 
 def reason_kind(reason: str | None) -> str:
@@ -56,6 +67,8 @@ def tray_state(node: dict[str, Any] | None, error: str | None = None) -> TraySta
     if node is None:
         return TrayState.NO_CLUSTER
     state = node.get("state")
+    if state == NO_CLUSTER:
+        return TrayState.NO_CLUSTER
     if state == "paused":
         return TrayState.PAUSED_HEAT if reason_kind(node.get("reason")) == "heat" else TrayState.PAUSED_USER
     if state == "limited":
@@ -82,6 +95,9 @@ def status_line(node: dict[str, Any] | None, error: str | None = None, now: floa
         return f"error: {error}"
     if node is None:
         return "starting the agent…"
+    if waiting_for_cluster(node):
+        failed = f" (last try: {node['error']})" if node.get("error") else ""
+        return f"not in a cluster yet: create one or join one{failed}"
     peers = int(node.get("peers") or 0)
     peer_text = f"{peers} peer" + ("" if peers == 1 else "s")
     state, reason = node.get("state"), node.get("reason")

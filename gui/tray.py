@@ -3,6 +3,10 @@
 :class:`TrayApp` follows the local agent (``/v1/node``, every ``poll_s``) and the cluster's
 event stream, keeps the icon and tooltip current, rebuilds its menu each time it opens, and
 notifies the user of what concerns them. All network work is asyncio on the Qt loop.
+
+In a cluster or not: an agent with no cluster credentials waits for one (``no_cluster``), and
+the menu then offers *Create a new cluster…* and *Join a cluster…* (:mod:`gui.cluster`); on the
+laptop that holds the cluster's CA it offers *Invite a laptop…*, and the node map a revoke.
 """
 
 from __future__ import annotations
@@ -20,9 +24,19 @@ from PySide6.QtWidgets import QMenu, QMessageBox, QSystemTrayIcon
 
 from agent.protocol.events import ClusterView, Event, Snapshot, apply_event
 from gui.agent_process import AgentProcess, log_folder
-from gui.client import Client, Unreachable
+from gui.client import ApiError, Client, Unreachable
 from gui.icons import app_icon, state_icon
-from gui.state import TOOLTIPS, Notice, TrayState, cluster_notices, notices, status_line, tray_state
+from gui.state import (
+    TOOLTIPS,
+    Notice,
+    TrayState,
+    cluster_notices,
+    holds_ca,
+    notices,
+    status_line,
+    tray_state,
+    waiting_for_cluster,
+)
 
 log = logging.getLogger(__name__)
 HOUR_S = 3600.0
@@ -40,12 +54,14 @@ class TrayApp(QObject):
         *,
         poll_s: float = 1.0,
         on_quit: Callable[[], None] | None = None,
+        confirm: Callable[[str, str], bool] | None = None,
     ) -> None:
         super().__init__()
         self.client = client
         self.agent = agent
         self.poll_s = poll_s
         self.on_quit = on_quit
+        self.confirm = confirm or _ask  # yes/no questions (tests answer them)
         self.node: dict[str, Any] | None = None
         self.error: str | None = None
         self.view: ClusterView | None = None
@@ -61,6 +77,8 @@ class TrayApp(QObject):
         self.chat: Any = None
         self.map: Any = None
         self.settings: Any = None
+        self.join_dialog: Any = None
+        self.invite_dialog: Any = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._tray_timer = QTimer(self)
         self._tray_timer.timeout.connect(self._show_when_tray_exists)
@@ -90,6 +108,9 @@ class TrayApp(QObject):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks.clear()
+        for w in (self.join_dialog, self.invite_dialog):
+            if w is not None:
+                w.close()
         for w in (self.chat, self.map):
             if w is not None and hasattr(w, "async_stop"):
                 await w.async_stop()
@@ -166,8 +187,14 @@ class TrayApp(QObject):
         head = m.addAction(status_line(self.node, self.error))
         head.setEnabled(False)
         m.addSeparator()
+        if waiting_for_cluster(self.node):  # no credentials: the agent waits for these
+            self._add(m, "Create a new cluster…", self.create_cluster)
+            self._add(m, "Join a cluster…", self.show_join)
+            m.addSeparator()
         self._add(m, "Open chat", self.show_chat)
         self._add(m, "Node map", self.show_map)
+        if holds_ca(self.node):
+            self._add(m, "Invite a laptop…", self.show_invite)
         m.addSeparator()
         paused = (self.node or {}).get("state") == "paused" and (self.node or {}).get("reason") == "user"
         if paused:
@@ -234,6 +261,45 @@ class TrayApp(QObject):
         ok = await self.agent.async_ensure()
         self._set(None, None if ok else self.agent.error)
 
+    def create_cluster(self) -> None:
+        """Make this laptop the first of a new cluster (it will hold the cluster's CA)."""
+        if self.confirm(
+            "Create a new cluster",
+            "Make this laptop the first of a new lakeshard cluster? It keeps the cluster's keys and "
+            "invites the other laptops (Invite a laptop…). To join an existing cluster instead, use "
+            "Join a cluster… with a token from one of its laptops.",
+        ):
+            self._run(self.async_create_cluster())
+
+    async def async_create_cluster(self) -> bool:
+        try:
+            r = await self.client.cluster_init()
+        except (ApiError, Unreachable) as e:
+            self.notify(Notice("lakeshard", f"No cluster made: {e}"))
+            return False
+        self.notify(Notice("lakeshard", str(r.get("message") or "cluster made")))
+        await self.async_refresh()
+        return True
+
+    def show_join(self) -> None:
+        from gui.cluster import JoinDialog
+
+        if self.join_dialog is None:
+            self.join_dialog = JoinDialog(self.client)
+            self.join_dialog.joined.connect(self._joined)
+        _raise(self.join_dialog)
+
+    def _joined(self, r: dict[str, Any]) -> None:
+        self.notify(Notice("lakeshard", str(r.get("message") or "joined the cluster")))
+        self._run(self.async_refresh())
+
+    def show_invite(self) -> None:
+        from gui.cluster import InviteDialog
+
+        if self.invite_dialog is None:
+            self.invite_dialog = InviteDialog(self.client)
+        _raise(self.invite_dialog)
+
     def show_chat(self) -> None:
         from gui.chat.window import ChatWindow
 
@@ -245,7 +311,12 @@ class TrayApp(QObject):
         from gui.nodemap import NodeMapWindow
 
         if self.map is None:
-            self.map = NodeMapWindow(self.client, me=lambda: (self.node or {}).get("node"))
+            self.map = NodeMapWindow(
+                self.client,
+                me=lambda: (self.node or {}).get("node"),
+                holds_ca=lambda: holds_ca(self.node),
+                confirm=lambda title, text: self.confirm(title, text),
+            )
             self.cluster_event.connect(self.map.on_event)
             if self.view is not None:
                 self.map.on_event((Snapshot(time.time(), self.view), self.view))
@@ -288,6 +359,12 @@ class TrayApp(QObject):
     def quit(self) -> None:
         if self.on_quit is not None:
             self.on_quit()
+
+
+def _ask(title: str, text: str) -> bool:
+    from gui.cluster import ask
+
+    return ask(title, text)
 
 
 def _raise(w: Any) -> None:

@@ -4,8 +4,8 @@ A cluster CA in one home, members joined in others (one of them through the real
 against the CA holder's running agent), two secure agents and a ``lakeshard serve`` coordinator
 that is a member too. The same greedy request through that cluster and through a plaintext one
 (``--insecure``) gives the same text; a secure agent's data port answers no plaintext client,
-no certificate of another cluster and no revoked node; and an agent without credentials says
-loudly that its links are plaintext.
+no certificate of another cluster and no revoked node. (An agent without credentials speaks no
+plaintext at all unless told to: tests/test_secure_default.py.)
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ import json
 import os
 import socket
 import ssl
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -33,7 +31,7 @@ from agent.security.credentials import Credentials
 from agent.security.errors import SecurityError
 from agent.security.transport import Transport
 from coordinator.local_cluster import LocalCluster, free_port
-from tests.conftest import REPO, Served, chat, post_chat, run_cli
+from tests.conftest import Served, chat, post_chat, run_cli
 from tests.test_cluster_identity import make_member
 
 PROMPT = "Name three colours of the rainbow."
@@ -186,29 +184,6 @@ def test_revoked_node_refused(secure: Secure) -> None:
     assert b"revoked" in got
     # the rest of the cluster still serves
     assert chat(secure.served, PROMPT, max_tokens=4, temperature=0)
-
-
-def test_without_credentials_plaintext_is_logged_loudly(tmp_path: Path) -> None:
-    port = free_port()
-    cmd = [sys.executable, "-m", "agent", "agent", "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--api-port", "0", "--no-mdns", "--device", "CPU", "--standalone", "--throttle", "off"]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "LAKESHARD_HOME": str(tmp_path / "home")}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
-    lines: list[str] = []
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if "listening on" in line:
-                break
-        warn = [x for x in lines if "PLAINTEXT" in x and x.startswith("WARNING")]
-        assert len(warn) == 1 and "no cluster credentials" in warn[0] and "lakeshard cluster init" in warn[0], lines
-        assert "(PLAINTEXT)" in lines[-1], lines
-        got = exchange(port, None)  # and it does serve plain HTTP, as before
-        assert isinstance(got, bytes) and got.startswith(b"HTTP/1.1 200"), got
-    finally:
-        proc.terminate()
-        proc.wait(timeout=15)
 
 
 def local_get(api_port: int, path: str) -> dict[str, object] | None:

@@ -30,7 +30,7 @@ async def _until_coordinator(http: aiohttp.ClientSession, api: str, timeout: flo
 
 async def test_status_api_pause_switch_and_fencing(isolated_home: Path) -> None:
     settings = Settings(cluster_id="solo", port=0, api_port=0, mdns=False)
-    opts = DaemonOptions(host="127.0.0.1", device="CPU", throttle=False)
+    opts = DaemonOptions(host="127.0.0.1", device="CPU", throttle=False, insecure=True)
     async with running(settings, opts) as d, aiohttp.ClientSession() as http:
         api = f"http://127.0.0.1:{d.api_port}"
         cluster = await _until_coordinator(http, api)  # alone, it is a majority of one
@@ -113,7 +113,7 @@ async def test_agents_on_other_ports_of_one_machine_each_keep_their_own_node_id(
     from coordinator.local_cluster import free_port
 
     ports = [free_port(), free_port()]
-    opts = DaemonOptions(host="127.0.0.1", device="CPU", throttle=False, standalone=True)
+    opts = DaemonOptions(host="127.0.0.1", device="CPU", throttle=False, standalone=True, insecure=True)
 
     async def ids() -> list[str]:
         got = []
@@ -139,7 +139,19 @@ def test_each_agent_process_writes_its_own_log_file(isolated_home: Path) -> None
     port = free_port()
     (isolated_home / "state" / f"port-{port}").mkdir(parents=True)
     (isolated_home / "state" / f"port-{port}" / "term.json").write_text("{garbage")
-    r = run_cli("agent", "--host", "127.0.0.1", "--port", str(port), "--api-port", "0", "--no-mdns", "--device", "CPU")
+    r = run_cli(
+        "agent",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--api-port",
+        "0",
+        "--no-mdns",
+        "--device",
+        "CPU",
+        "--insecure",
+    )
     assert r.returncode == 2 and f"port-{port}" in r.stderr and "term.json is corrupt" in r.stderr
     log = (isolated_home / "logs" / f"agent-{port}.log").read_text()
     assert f"agent-{port}[" in log  # every line says which process wrote it
@@ -151,7 +163,9 @@ def test_a_corrupt_term_file_stops_the_agent_with_a_clear_error(isolated_home: P
 
     (isolated_home / "state").mkdir(parents=True)
     (isolated_home / "state" / "term.json").write_text("{garbage")
-    r = run_cli("agent", "--host", "127.0.0.1", "--port", "0", "--api-port", "0", "--no-mdns", "--device", "CPU")
+    r = run_cli(
+        "agent", "--host", "127.0.0.1", "--port", "0", "--api-port", "0", "--no-mdns", "--device", "CPU", "--insecure"
+    )
     assert r.returncode == 2 and "term.json is corrupt" in r.stderr and "Traceback" not in r.stderr
 
 

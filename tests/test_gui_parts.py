@@ -55,6 +55,7 @@ def _n(**kw: object) -> dict[str, object]:
         (_n(state="paused", reason="on battery (18%)"), None, TrayState.PAUSED_HEAT),
         (_n(state="paused", reason="heat: 95 C"), None, TrayState.PAUSED_HEAT),
         (_n(state="paused", reason="user", coordinator=None), None, TrayState.PAUSED_USER),  # paused wins
+        (_n(state="no_cluster", coordinator=None, role="no_cluster"), None, TrayState.NO_CLUSTER),  # no credentials
     ],
 )
 def test_the_icon_says_the_state_at_a_glance(
@@ -96,6 +97,11 @@ def test_every_state_has_its_own_icon_that_renders_at_16_px(qapp) -> None:  # ty
         ),
         (_n(), "idle, 3 peers"),
         (_n(coordinator=None, peers=0), "no cluster yet (looking for peers), 0 peers"),
+        (_n(state="no_cluster", coordinator=None), "not in a cluster yet: create one or join one"),
+        (
+            _n(state="no_cluster", error="the data port is taken"),
+            "not in a cluster yet: create one or join one (last try: the data port is taken)",
+        ),
         (_n(state="paused", reason="user", paused_until=None), "paused until you resume, 3 peers"),
         (_n(state="paused", reason="92 C"), "paused: 92 C, 3 peers"),
         (
@@ -106,6 +112,15 @@ def test_every_state_has_its_own_icon_that_renders_at_16_px(qapp) -> None:  # ty
 )
 def test_the_status_line(node: dict[str, object] | None, line: str) -> None:
     assert status_line(node) == line
+
+
+def test_cluster_membership_from_the_agents_node() -> None:
+    from gui.state import holds_ca, waiting_for_cluster
+
+    assert waiting_for_cluster(_n(state="no_cluster"))
+    assert not waiting_for_cluster(_n()) and not waiting_for_cluster(None)
+    assert holds_ca(_n(holds_ca=True)) and not holds_ca(_n()) and not holds_ca(None)
+    assert not holds_ca(_n(state="no_cluster", holds_ca=True))
 
 
 def test_a_timed_pause_says_until_when() -> None:

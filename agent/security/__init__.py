@@ -13,11 +13,13 @@ Everything lives in ``config_dir()/security/`` (see :mod:`agent.security.files`)
 * ``member.json``: how this node joined (which node signed its certificate, and when).
 
 What other parts use: :mod:`agent.security.transport` (how node links travel: mutual TLS or,
-without credentials or with ``--insecure``, plaintext), :class:`agent.security.credentials.Credentials`
-(TLS contexts, peer identity, signatures), :mod:`agent.security.datagrams` (election datagrams
-signed with the node key and checked against the CA, or plaintext), :mod:`agent.security.fencing`
-(an elected agent takes assignments only from the coordinator its election admitted for their
-term) and the operations in :mod:`agent.security.cluster` (what the CLI and the tray's settings call).
+only with ``--insecure``, plaintext; a node without credentials waits for a cluster instead),
+:class:`agent.security.credentials.Credentials` (TLS contexts, peer identity, signatures),
+:mod:`agent.security.datagrams` (election datagrams signed with the node key and checked against
+the CA, or plaintext), :mod:`agent.security.fencing` (an elected agent takes assignments only from
+the coordinator its election admitted for their term) and the operations in
+:mod:`agent.security.cluster` (what the CLI calls, and the local API's cluster routes in
+:mod:`agent.cluster_api`, which the tray calls).
 """
 
 from agent.security.errors import JoinError, SecurityError

@@ -14,6 +14,9 @@ A :class:`Transport` is chosen once when a process starts (:func:`choose`) and i
   (``request["peer"]``), revoked nodes are refused with 403, and only the public cluster routes
   (the CA, joining, the revocation list) answer a client that shows no certificate.
 
+There is no silent plaintext: :func:`choose` gives it only when asked (``--insecure``, or
+``insecure: true`` in the settings), and refuses a node without credentials otherwise.
+
 The local status API and the OpenAI API on loopback stay plain HTTP (not node-to-node).
 """
 
@@ -40,6 +43,10 @@ log = logging.getLogger(__name__)
 PUBLIC_PATHS = frozenset({"/v1/cluster/ca", "/v1/cluster/join", "/v1/cluster/revoked"})
 NODE_AT_S = 30.0  # how long the node id behind an address is remembered
 REFRESH_S = 2.0  # how often the revocation list is re-read from disk (another process may revoke)
+NO_CLUSTER_HINT = (
+    "not in a cluster: run 'lakeshard cluster init' on the first laptop, or 'lakeshard cluster join TOKEN' "
+    "with a token from 'lakeshard cluster invite'"
+)
 PLAINTEXT_WARNING = (
     "PLAINTEXT: links between nodes are NOT encrypted or authenticated ({why}); "
     "run 'lakeshard cluster init' (first node) or 'lakeshard cluster join TOKEN' to secure them"
@@ -156,17 +163,17 @@ def use(t: Transport) -> Transport:
     return t
 
 
-def choose(insecure: bool = False, folder: Path | None = None) -> Transport:
-    """Secure from the local credentials when there are any (unless ``insecure``), else plaintext;
-    logs loudly whenever it is plaintext. Broken credentials raise :class:`SecurityError`."""
+def choose(insecure: bool = False, folder: Path | None = None, why: str = "--insecure") -> Transport:
+    """Secure from the local credentials, or plaintext when ``insecure`` (``why``: who said so),
+    logged loudly. Never plaintext by default: without credentials it raises :class:`NotMember`
+    with :data:`NO_CLUSTER_HINT`; broken credentials raise :class:`SecurityError`."""
     if insecure:
-        log.warning(PLAINTEXT_WARNING.format(why="--insecure"))
+        log.warning(PLAINTEXT_WARNING.format(why=why))
         return Transport()
     try:
         creds = Credentials.load(folder)
     except NotMember:
-        log.warning(PLAINTEXT_WARNING.format(why="this node has no cluster credentials"))
-        return Transport()
+        raise NotMember(NO_CLUSTER_HINT) from None
     t = Transport(creds)
     log.info("node links: %s", t.describe())
     return t
