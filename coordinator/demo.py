@@ -15,7 +15,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-import uuid
 from typing import Any
 
 from agent.models.registry import REGISTRY
@@ -47,10 +46,12 @@ def run_demo(args: argparse.Namespace) -> int:
     per = max(1, ncpu // args.nodes)
     cores = [list(range(i * per, (i + 1) * per)) for i in range(args.nodes)] if ncpu >= args.nodes else None
     api_port = free_port()
-    elect = ["--cluster", f"demo-{uuid.uuid4().hex[:8]}", "--serve-model", args.model, "--serve-weights", weights]
+    # a throwaway cluster of its own (a new CA): the agents talk mutual TLS, as laptops do
+    elect = ["--serve-model", args.model, "--serve-weights", weights]
     elect += ["--serve-api-port", str(api_port)]
     _say(f"starting {args.nodes} agent processes" + (f", {per} core(s) each" if cores else ""))
-    with LocalCluster(args.nodes, cores=cores, elect=elect) as cluster:
+    with LocalCluster(args.nodes, cores=cores, elect=elect, secure=True, form=True) as cluster:
+        _say(f"a throwaway cluster {cluster.cluster_id}: mutual TLS between the agents")
         sv = _wait_for_pipeline(cluster)
         url = f"http://127.0.0.1:{api_port}"
         _say(f"coordinator API: {url}/v1\n\n> {args.prompt}\n")

@@ -6,15 +6,19 @@ before OpenVINO is imported (its CPU plugin pins threads from the affinity it st
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from agent import paths
 
@@ -43,6 +47,7 @@ class LocalCluster:
         config: str | Sequence[str] | None = None,
         ports: Sequence[int] | None = None,
         secure: bool = False,
+        form: bool = False,
     ) -> None:
         """``elect``: run full agents (election, no multicast, loopback peers) with these extra
         arguments, instead of standalone stage servers driven by a ``serve`` coordinator.
@@ -50,11 +55,17 @@ class LocalCluster:
         ``ports``: the agents' data ports (default: free ones).
         ``secure``: each agent uses the cluster credentials in its home (TLS between nodes); by
         default local clusters are plaintext (``--insecure``), like the in-process coordinators
-        of tests and benchmarks, whatever credentials the user's own home holds."""
+        of tests and benchmarks, whatever credentials the user's own home holds.
+        ``form`` (secure elected agents): make a throwaway cluster the way the tray does, through
+        the agents' local APIs: ``init`` on the first, ``invite`` there, ``join`` on the others."""
         if ports is not None and len(ports) != n:
             raise ValueError("one port per agent")
         self._fixed_ports = list(ports) if ports is not None else None
         self.secure = secure
+        if form and (not secure or elect is None):
+            raise ValueError("form: only for secure, elected agents")
+        self.form = form
+        self.cluster_id: str | None = None
         if cores is not None and len(cores) != n:
             raise ValueError("one core set per agent")
         self.n = n
@@ -124,6 +135,12 @@ class LocalCluster:
             self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env))
             self.ports.append(port)
         deadline = time.monotonic() + timeout
+        if self.form:
+            try:
+                self.cluster_id = self._form(deadline)
+            except (OSError, RuntimeError) as e:
+                self.stop()
+                raise RuntimeError(f"could not form the cluster: {e}") from None
         for port, proc in zip(self.ports, self.procs, strict=True):
             while True:
                 if proc.poll() is not None:
@@ -138,6 +155,49 @@ class LocalCluster:
                     raise RuntimeError(f"agent on port {port} did not start within {timeout:.0f}s{why}")
                 time.sleep(0.1)
         return self
+
+    def _local(self, i: int, path: str, body: dict[str, Any] | None, deadline: float) -> dict[str, Any]:
+        """POST ``body`` (or GET) to agent ``i``'s local API, retrying until it answers."""
+        url = f"http://127.0.0.1:{self.api_ports[i]}{path}"
+        while True:
+            if self.procs[i].poll() is not None:
+                raise RuntimeError(f"agent {i} exited with status {self.procs[i].returncode}")
+            data = json.dumps(body).encode() if body is not None else None
+            req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    return dict(json.loads(r.read()))
+            except urllib.error.HTTPError as e:
+                raise RuntimeError(f"agent {i}: {path}: {e.read().decode(errors='replace')[:300]}") from None
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"agent {i}'s local API did not answer") from None
+                time.sleep(0.2)
+
+    def _form(self, deadline: float) -> str:
+        first = self._check(0, self._local(0, "/v1/cluster/init", {}, deadline))
+        if self.n > 1:
+            addr = f"127.0.0.1:{self.ports[0]}"
+            ask = {"uses": str(self.n - 1), "expires": "1h", "address": addr}
+            inv = self._local(0, "/v1/cluster/invite", ask, deadline)
+            while not self._port_open(self.ports[0]):  # the first agent starts serving its join route
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the first agent did not start as a member")
+                time.sleep(0.1)
+            for i in range(1, self.n):
+                self._check(i, self._local(i, "/v1/cluster/join", {"token": inv["token"]}, deadline))
+        return str(first.get("cluster_id") or "")
+
+    @staticmethod
+    def _check(i: int, answer: dict[str, Any]) -> dict[str, Any]:
+        if answer.get("agent_error"):
+            raise RuntimeError(f"agent {i} did not start as a member: {answer['agent_error']}")
+        return answer
+
+    @staticmethod
+    def _port_open(port: int) -> bool:
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
 
     def kill(self, i: int) -> None:
         self.procs[i].kill()
