@@ -279,7 +279,10 @@ def test_secure_lab_forms_elects_and_serves_over_mtls_and_ignores_strangers(tmp_
             k = next(i for i in MEMBERS if view[i]["node"] == st["node"])  # type: ignore[index]
             stage = lab.get(k, "/v1/node")["stage"]  # type: ignore[index]
             assert stage["assigned"] and stage["layers"] == st["layers"]
-        report(f"netns mTLS: 4 agents formed in {formed_s:.1f}s (init, invite, joins in it), served at {served_s:.1f}s")
+        report(
+            f"netns mTLS: 4 agents formed in {formed_s:.1f}s (init, invite, joins in it), "
+            f"served at {served_s:.1f}s on {len(sv['plan'])} stage(s)"
+        )
 
         # strangers on the LAN: a member of ANOTHER cluster beating at the four (static peers), and a
         # plaintext agent claiming this cluster's id (found over mDNS)
