@@ -203,9 +203,11 @@ MEMBERS = [0, 1, 2, 3]
 STRANGER, PLAIN = 4, 5  # another cluster's member; a plaintext (--insecure) agent
 
 
-def _serving(lab: AgentLab, nodes: list[int], timeout: float, settle_s: float = 3.0) -> tuple[int, dict[str, Any]]:
+def _serving(
+    lab: AgentLab, nodes: list[int], timeout: float, settle_s: float = 3.0
+) -> tuple[int, dict[str, Any], dict[int, dict[str, Any] | None]]:
     """Wait until the agreed coordinator among ``nodes`` serves a plan made with every node's
-    measured speed (the same plan for ``settle_s``): its index and services status."""
+    measured speed (the same plan for ``settle_s``): its index, services status and the view."""
     deadline = time.monotonic() + timeout
     since: tuple[float, Any] | None = None
     while True:
@@ -222,9 +224,18 @@ def _serving(lab: AgentLab, nodes: list[int], timeout: float, settle_s: float = 
             elif since is None or since[1] != sv["plan"]:
                 since = (time.monotonic(), sv["plan"])
             elif time.monotonic() - since[0] >= settle_s:
-                return i, sv
+                return i, sv, view
         assert time.monotonic() < deadline, f"no settled pipeline within {timeout:.0f}s: {summary(view)}"
         time.sleep(0.5)
+
+
+def _answer(lab: AgentLab, i: int, path: str, timeout: float = 20.0) -> dict[str, Any]:
+    """GET node ``i``'s status API until it answers (a busy agent on loaded cores may miss one)."""
+    deadline = time.monotonic() + timeout
+    while (got := lab.get(i, path)) is None:
+        assert lab.alive(i) and time.monotonic() < deadline, f"node {i} does not answer {path}"
+        time.sleep(0.5)
+    return got
 
 
 def test_secure_lab_forms_elects_and_serves_over_mtls_and_ignores_strangers(tmp_path: Path, smollm2: Any) -> None:
@@ -233,7 +244,8 @@ def test_secure_lab_forms_elects_and_serves_over_mtls_and_ignores_strangers(tmp_
     datagrams, plan, assign and serve over mutual TLS by themselves. A member of another cluster
     beating at them and a plaintext agent claiming their cluster id are refused, not admitted."""
     env = {"LAKESHARD_SHARED_CACHE": str(cache_dir())}  # the coordinator exports once; stages fetch their files
-    with AgentLab(6, tmp_path, split=6, secure=True, agent_args=SECURE_SERVE, env=env) as lab:
+    speed = cache_dir() / "capacity.json"  # every node the same speed score: the same plan (and cached export)
+    with AgentLab(6, tmp_path, split=6, secure=True, agent_args=SECURE_SERVE, env=env, capacity=speed) as lab:
         t0 = time.monotonic()
         lab.start_all(MEMBERS)
         view = lab.wait_for(lambda v: agreed(v, peers_alive=3) is not None, MEMBERS, BOOT_S)
@@ -263,9 +275,11 @@ def test_secure_lab_forms_elects_and_serves_over_mtls_and_ignores_strangers(tmp_
         assert "links to other nodes: TLS, election datagrams signed" in out.stdout, out.stdout
 
         # the coordinator plans over the four and assigns; a chat through another node's local API answers
-        ci, sv = _serving(lab, MEMBERS, 240)
+        ci, sv, view = _serving(lab, MEMBERS, 240)
         served_s = time.monotonic() - t0
+        coord, term = agreed(view), view[ci]["term"]  # type: ignore[index]
         nodes = {v["node"] for v in view.values() if v}
+        assert all(v["term"] == term for v in view.values() if v), summary(view)
         assert sv["plan"] and {st["node"] for st in sv["plan"]} <= nodes and sv["term"] == term
         assert sv["plan"][0]["layers"][0] == 0 and sv["plan"][-1]["layers"][1] == 30
         far = next(i for i in MEMBERS if i != ci)
@@ -285,12 +299,13 @@ def test_secure_lab_forms_elects_and_serves_over_mtls_and_ignores_strangers(tmp_
         )
 
         # strangers on the LAN: a member of ANOTHER cluster beating at the four (static peers), and a
-        # plaintext agent claiming this cluster's id (found over mDNS)
+        # plaintext agent claiming this cluster's id (found over mDNS); neither serves a model (each
+        # would coordinate itself, and compiling on these two shared cores would only starve the lab)
         other = lab.cli(STRANGER, "cluster", "init").stdout.split()[1].rstrip(":")
         assert other != cid
         members = ",".join(f"{lab.lan.nodes[i].ip}:{DATA_PORT}" for i in MEMBERS)
-        lab.start(STRANGER, extra=["--static-peers", members])
-        lab.start(PLAIN, insecure=True, extra=["--cluster", cid])
+        lab.start(STRANGER, extra=["--static-peers", members], agent_args=[])
+        lab.start(PLAIN, insecure=True, extra=["--cluster", cid], agent_args=[])
         strangers = {lab.wait_up(k, BOOT_S)["node"] for k in (STRANGER, PLAIN)}
 
         def refused(v: dict[int, dict[str, Any] | None]) -> bool:
@@ -310,15 +325,15 @@ def test_secure_lab_forms_elects_and_serves_over_mtls_and_ignores_strangers(tmp_
             assert not strangers & alive
             refusals = v["election_traffic"]["refused"]
             assert refusals["other_cluster"] >= 1 and refusals["unsigned"] >= 1, refusals
-        plain = lab.get(PLAIN, "/v1/cluster")
-        assert plain is not None and plain["links"] == "PLAINTEXT"
+        plain = _answer(lab, PLAIN, "/v1/cluster")
+        assert plain["links"] == "PLAINTEXT"
         assert plain["election_traffic"]["mode"] == "plaintext"
         assert plain["election_traffic"]["refused"].get("signed", 0) >= 1  # the members' beats mean nothing to it
         assert not [p for p in plain["peers"] if p["alive"]]
-        foreign = lab.get(STRANGER, "/v1/cluster")
-        assert foreign is not None and foreign["cluster"] == other and foreign["links"] == "TLS"
+        foreign = _answer(lab, STRANGER, "/v1/cluster")
+        assert foreign["cluster"] == other and foreign["links"] == "TLS"
         assert not [p for p in foreign["peers"] if p["alive"]]
-        sv2 = lab.get(ci, "/v1/cluster")["services"]  # type: ignore[index]
+        sv2 = _answer(lab, ci, "/v1/cluster")["services"]
         assert sv2["state"] == "serving" and sv2["plan"] == sv["plan"] and sv2["term"] == term
         r = lab.ask(far, {"op": "post", "url": f"http://127.0.0.1:{API_PORT}/v1/chat/completions", "body": body,
                           "timeout": 120})  # fmt: skip

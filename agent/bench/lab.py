@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -79,12 +80,16 @@ class AgentLab:
         log_dir: Path | None = None,
         env: dict[str, str] | None = None,
         secure: bool = False,
+        capacity: Path | None = None,
     ) -> None:
         """``secure``: agents use the cluster credentials in their homes (see :meth:`form_secure`);
         otherwise every agent starts ``--insecure`` (plaintext links, unsigned datagrams) and
-        ``cluster`` is its cluster id. A secure agent's cluster id is its certificate's."""
+        ``cluster`` is its cluster id. A secure agent's cluster id is its certificate's.
+        ``capacity``: a ``capacity.json`` copied into every home before its agent first starts, so
+        every node reuses the same speed score (identical laptops: the same plan, hence the same
+        cached export, every run) instead of measuring itself on cores its neighbours load."""
         self.lan = Lan(n, split)
-        self.secure = secure
+        self.secure, self.capacity = secure, capacity
         self.home_root, self.cluster, self.agent_args = home_root, cluster, list(agent_args)
         self.log_dir = log_dir or home_root
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * n
@@ -109,16 +114,30 @@ class AgentLab:
         """The environment of node ``i``'s processes: its own home (config, security folder, state)."""
         return {**os.environ, "LAKESHARD_HOME": str(self.homes[i]), "PYTHONWARNINGS": "ignore", **self.env}
 
-    def start(self, i: int, *, fresh: bool = False, extra: Sequence[str] = (), insecure: bool | None = None) -> None:
+    def start(
+        self,
+        i: int,
+        *,
+        fresh: bool = False,
+        extra: Sequence[str] = (),
+        insecure: bool | None = None,
+        agent_args: Sequence[str] | None = None,
+    ) -> None:
         """Start node ``i``'s agent (``fresh``: with a new home, so a new node id; ``insecure``:
-        plaintext whatever its home holds, default: unless the lab is secure)."""
+        plaintext whatever its home holds, default: unless the lab is secure; ``agent_args``:
+        instead of the lab's)."""
         if fresh:
             self.homes[i] = self.home_root / f"node{i}-{time.monotonic_ns()}"
         plain = not self.secure if insecure is None else insecure
+        seeded = self.homes[i] / "cache" / "capacity.json"
+        if self.capacity is not None and self.capacity.is_file() and not seeded.exists():
+            seeded.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(self.capacity, seeded)
         cmd = [sys.executable, "-m", "agent", "agent", "--port", str(DATA_PORT)]
         cmd += ["--api-port", str(API_PORT), "--device", "CPU", "--threads", "1", "--throttle", "off"]
         cmd += ["--cluster", self.cluster, "--insecure"] if plain else []
-        cmd += [*self.agent_args, *extra]  # (the other "laptops" here are this machine's programs: no throttle)
+        # (the other "laptops" here are this machine's programs: no throttle)
+        cmd += [*(self.agent_args if agent_args is None else agent_args), *extra]
         log = open(self.log_dir / f"agent{i}.log", "ab")  # noqa: SIM115 (the child owns it)
         self.spawned_at[i] = time.time()
         self.procs[i] = subprocess.Popen(
