@@ -90,6 +90,7 @@ class AgentLab:
         cached export, every run) instead of measuring itself on cores its neighbours load."""
         self.lan = Lan(n, split)
         self.secure, self.capacity = secure, capacity
+        self.marks: dict[str, float] = {}  # when form_secure's steps ended (time.monotonic())
         self.home_root, self.cluster, self.agent_args = home_root, cluster, list(agent_args)
         self.log_dir = log_dir or home_root
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * n
@@ -190,6 +191,7 @@ class AgentLab:
         cid = out.split()[1].rstrip(":")
         self.start(first)
         self.wait_up(first, timeout)
+        self.marks["first_up"] = time.monotonic()
         if rest:
             address = f"{self.lan.nodes[first].ip}:{DATA_PORT}"
             token = self.cli(
@@ -209,6 +211,7 @@ class AgentLab:
                 said, _ = p.communicate(timeout=60)
                 if p.returncode != 0 or f"joined cluster {cid}" not in said:
                     raise LabError(f"node {i}: lakeshard cluster join failed: {said.strip()[-500:]}")
+            self.marks["joined"] = time.monotonic()
             for i in rest:
                 self.start(i)
         return cid
