@@ -60,7 +60,11 @@ def _stale_beat(term: int) -> bytes:
 def test_four_agents_discover_each_other_and_agree(lab_factory: Any) -> None:
     lab: AgentLab = lab_factory(4)
     lab.start_all()
-    view = lab.wait_for(lambda v: agreed(v, peers_alive=3) is not None, range(4), BOOT_S)
+
+    def measured(v: dict[int, dict[str, Any] | None]) -> bool:  # a beat before its capacity probe offers no device
+        return agreed(v, peers_alive=3) is not None and all(p["devices"] for x in v.values() if x for p in x["peers"])
+
+    view = lab.wait_for(measured, range(4), BOOT_S)
     coord = agreed(view)
     assert sum(v["role"] == "coordinator" for v in view.values() if v) == 1
     terms = {v["term"] for v in view.values() if v}
