@@ -29,6 +29,7 @@ from types import TracebackType
 from typing import Any
 
 from agent.bench.netns import Lan
+from agent.security.files import NODE_CERT
 
 API_PORT = 7701
 DATA_PORT = 7700
@@ -130,6 +131,11 @@ class AgentLab:
         if fresh:
             self.homes[i] = self.home_root / f"node{i}-{time.monotonic_ns()}"
         plain = not self.secure if insecure is None else insecure
+        if not plain and not (self.homes[i] / "config" / "security" / NODE_CERT).is_file():
+            raise LabError(
+                f"node {i} has no cluster credentials in {self.homes[i]}: form the cluster (start_all), "
+                "'lakeshard cluster init/join' there (cli), or start it insecure=True"
+            )
         seeded = self.homes[i] / "cache" / "capacity.json"
         if self.capacity is not None and self.capacity.is_file() and not seeded.exists():
             seeded.parent.mkdir(parents=True, exist_ok=True)
