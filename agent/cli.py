@@ -305,6 +305,12 @@ def build_parser() -> argparse.ArgumentParser:
     el = bsub.add_parser("election", help="coordinator failover and discovery times (root: network namespaces)")
     el.add_argument("--nodes", type=_positive_int, default=4)
     el.add_argument("--trials", type=_positive_int, default=10)
+    el.add_argument(
+        "--formation",
+        type=int,
+        default=0,
+        help="also time this many cold starts of a plaintext and of a secure (init/invite/join, mTLS) cluster",
+    )
     el.add_argument("--json", action="store_true")
     sp = bsub.add_parser("spec", help="speculative vs plain decoding through a pipeline, with rollback costs")
     sp.add_argument("--target", default="smollm2-135m")

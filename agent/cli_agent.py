@@ -163,6 +163,10 @@ def format_status(node: dict[str, Any], cluster: dict[str, Any]) -> str:
     ]
     if node.get("role") == "standalone":
         lines.append("standalone: no discovery or election")
+    traffic = cluster.get("election_traffic") or {}
+    if node.get("links"):
+        signed = {"signed": ", election datagrams signed", "plaintext": ", election datagrams unsigned"}
+        lines.append(f"links to other nodes: {node['links']}" + signed.get(traffic.get("mode", ""), ""))
     why = cluster.get("not_eligible_because")
     if why:
         lines.append(f"this node does not stand for coordinator: {why}")

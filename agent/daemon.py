@@ -474,6 +474,7 @@ class AgentDaemon:
             "port": self.me.port,
             "api_port": self.api_port,
             "mdns": self.discovery is not None,
+            "links": self.links,
             "mem_total": self.me.mem_total,
             "mem_free": self.me.mem_free(),
             "speed_score": self.me.score,
@@ -497,10 +498,16 @@ class AgentDaemon:
         now = time.monotonic()
         return sum(1 for p in e.peers.values() if now - p.last_heard < e.timing.peer_timeout_s)
 
+    @property
+    def links(self) -> str:
+        """How this node's links to other nodes travel: "TLS" (mutual, its cluster's certificates) or "PLAINTEXT"."""
+        return "TLS" if self.transport.secure else "PLAINTEXT"
+
     def cluster_status(self) -> dict[str, Any]:
         if self.elector is None:
             return {"node": self.node, "role": "standalone", "peers": [], "coordinator": None, "term": 0}
         st = self.elector.status()
+        st["links"] = self.links
         st["services"] = self.services.status() if self.services is not None else None
         st["assignments_refused"] = self.fence.refused  # not from the coordinator of their term
         return st

@@ -125,7 +125,7 @@ class LocalAgent:
         if self._watch is not None:
             log.info("cluster credentials found: starting as a member")
         mode = "standalone" if self.opts.standalone else f"cluster {d.settings.cluster_id}"
-        links = "TLS" if d.transport.secure else "PLAINTEXT"
+        links = d.links
         print(
             f"lakeshard agent {d.node} ({mode}) listening on {self.opts.host}:{d.me.port} ({links}), "
             f"status API on 127.0.0.1:{self.api_port}",

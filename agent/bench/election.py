@@ -6,6 +6,10 @@ the kill to the moment the last survivor admitted the new coordinator (from the 
 timestamps, so polling does not inflate it). Then a brand-new node (fresh id) starts in the
 dead one's place, and the trial measures the time from the agent's start (its networking up)
 to its first beat heard by every other node; ``spawn_to_seen`` also counts Python's start-up.
+
+``--formation N`` first times N cold starts of a plaintext cluster and of a secure one (the
+user's ``cluster init``/``invite``/``join`` in the namespaces, then mutual TLS and signed
+election datagrams), alternating, to the moment every node agrees on one coordinator.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from agent import paths
 from agent.bench import netns
 from agent.bench.lab import AgentLab, agreed
 from agent.bench.pipeline import BenchError
@@ -39,6 +44,36 @@ def _replaced(old: str | None, survivors: int) -> Callable[[dict[int, dict[str, 
     return lambda v: agreed(v, peers_alive=survivors - 1) not in (None, old)
 
 
+def formation(n: int, trials: int) -> dict[str, Any]:
+    """Cold starts, alternating: ``n`` plaintext agents started at once, and a secure cluster formed
+    as a user would (``cluster init``, the first agent, ``invite``, ``n - 1`` joins at once, their
+    agents); each timed from the first command to every node agreeing on one coordinator. Every
+    node reuses one speed score (no micro-benchmark on cores the other agents load)."""
+    speed = paths.cache_dir() / "capacity.json"
+    times: dict[str, list[float]] = {"plaintext": [], "secure": [], "secure_first_up": [], "secure_joined": []}
+    for trial in range(trials):
+        for secure in (False, True):
+            with (
+                tempfile.TemporaryDirectory(prefix="lakeshard-bench-formation-") as tmp,
+                AgentLab(n, Path(tmp), cluster="formation", split=n, secure=secure, capacity=speed) as lab,
+            ):
+                t0 = time.monotonic()
+                lab.start_all()
+                view = lab.wait_for(lambda v: agreed(v, peers_alive=n - 1) is not None, range(n), BOOT_S)
+                took = time.monotonic() - t0
+                modes = {(v["links"], v["election_traffic"]["mode"]) for v in view.values() if v}
+                want = ("TLS", "signed") if secure else ("PLAINTEXT", "plaintext")
+                if modes != {want}:
+                    raise BenchError(f"formation trial {trial}: links/election traffic {modes}, expected {want}")
+                times["secure" if secure else "plaintext"].append(took)
+                if secure:
+                    times["secure_first_up"].append(lab.marks["first_up"] - t0)
+                    times["secure_joined"].append(lab.marks["joined"] - t0)
+                _say(f"formation {trial + 1}/{trials}: {'secure' if secure else 'plaintext'} {took:.2f}s")
+    out: dict[str, Any] = {f"{k}_median_s": round(statistics.median(v), 3) for k, v in times.items()}
+    return out | {f"{k}_s": [round(x, 3) for x in v] for k, v in times.items()}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     why = netns.available()
     if why:
@@ -46,6 +81,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.nodes < 3:
         raise BenchError("--nodes must be at least 3 (a failover needs two survivors)")
     n = args.nodes
+    formed = formation(n, args.formation) if getattr(args, "formation", 0) > 0 else None
     failover: list[float] = []
     discovery: list[float] = []
     spawn: list[float] = []
@@ -92,4 +128,4 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "spawn_to_seen_median_s": round(statistics.median(spawn), 3),
         "failover_s": [round(x, 3) for x in failover],
         "discovery_s": [round(x, 3) for x in discovery],
-    }
+    } | ({"formation": formed} if formed else {})
