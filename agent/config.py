@@ -25,6 +25,7 @@ halfway through start-up. Example::
       model: smollm2-135m                # a store name, or a path to a GGUF / HF directory
       weights: int8
       api_port: 8000                     # OpenAI-compatible API, 127.0.0.1 on the coordinator
+      ring_port: 7702                    # the coordinator's ring and stage files (default: port + 2)
       streams: 4
       api_rate: 0                        # requests per minute per client (0: unlimited, the default)
       api_concurrency: 0                 # requests in flight per client (0: unlimited, the default)
@@ -70,6 +71,8 @@ class Settings:
     serve_model: str | None = None
     serve_weights: str | None = None  # None: the model's default
     serve_api_port: int = 8000
+    # the elected coordinator's ring and stage-file port (None: the data port + 2, e.g. 7702; 0: any)
+    serve_ring_port: int | None = None
     serve_streams: int = 4
     serve_exact: bool = False  # f32 activations, KV and wire (for parity checks)
     # the API's limits per client (a member laptop counts as one: see agent/gateway.py); its
@@ -107,6 +110,12 @@ def check_name(v: Any, key: str = "name") -> str:
     return v.strip()
 
 
+def ring_port_for(port: int) -> int:
+    """The elected coordinator's ring port when ``serve.ring_port`` is not set: the data port + 2
+    (7702 by default: one fixed port a firewall can open); 0 (any free port) past the range."""
+    return port + 2 if 0 < port <= 65533 else 0
+
+
 def _port(d: dict[str, Any], key: str, default: int) -> int:
     v = d.get(key, default)
     if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 65535:
@@ -138,7 +147,7 @@ def _section(d: dict[str, Any], key: str) -> dict[str, Any]:
     return v
 
 
-SERVE_KEYS = {"model", "weights", "api_port", "streams", "api_rate", "api_concurrency"}
+SERVE_KEYS = {"model", "weights", "api_port", "ring_port", "streams", "api_rate", "api_concurrency"}
 KNOWN = {
     "cluster_id",
     "port",
@@ -224,6 +233,7 @@ def parse(d: Any) -> Settings:
         serve_model=model,
         serve_weights=weights,
         serve_api_port=_port(serve, "api_port", 8000),
+        serve_ring_port=_port(serve, "ring_port", 0) if "ring_port" in serve else None,
         serve_streams=streams,
         serve_api_rate=_count(serve, "api_rate", "requests per minute", MAX_RATE),
         serve_api_concurrency=_count(serve, "api_concurrency", "requests in flight", MAX_CONCURRENCY),

@@ -39,7 +39,7 @@ import psutil
 from aiohttp import web
 
 from agent import __version__
-from agent.config import Settings
+from agent.config import Settings, ring_port_for
 from agent.discovery import MIB, Advert, Discovery
 from agent.election import Role, Timing, data_term
 from agent.elector import Elector, LocalNode
@@ -70,6 +70,7 @@ RESTART_KEYS = (
     "serve_model",
     "serve_weights",
     "serve_api_port",
+    "serve_ring_port",
     "serve_streams",
     "serve_api_rate",
     "serve_api_concurrency",
@@ -318,6 +319,7 @@ class AgentDaemon:
                     model=s.serve_model,
                     weights=s.serve_weights,
                     api_port=s.serve_api_port,
+                    ring_port=s.serve_ring_port if s.serve_ring_port is not None else ring_port_for(self.me.port),
                     streams=s.serve_streams,
                     api_limits=Limits(s.serve_api_rate, s.serve_api_concurrency, TOTAL_INFLIGHT),
                     exact=s.serve_exact,

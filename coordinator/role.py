@@ -52,6 +52,7 @@ class CoordinatorRole:
         api_port: int,
         streams: int,
         exact: bool,
+        ring_port: int = 0,  # the ring's return and stage files (0: any free port)
         term: int,
         my_address: str,
         members: Any,  # () -> list[Member]: the nodes heard right now, this one included
@@ -60,6 +61,7 @@ class CoordinatorRole:
         api_limits: Limits | None = None,  # per client (None: only the cap on requests in flight)
     ) -> None:
         self.model_ref, self.weights, self.api_port = model, weights, api_port
+        self.ring_port = ring_port
         self.streams, self.exact, self.term = streams, exact, term
         self.my_address = my_address
         self.api_limits = api_limits or Limits(total=TOTAL_INFLIGHT)
@@ -107,6 +109,8 @@ class CoordinatorRole:
                 split=[s.start for s in self.plan.stages[1:]],
                 api_port=self.api_port,
                 data_host="0.0.0.0",
+                data_port=self.ring_port,
+                data_port_fallback=True,  # another program (or agent) has it: a free port, with a warning
                 advertise_host=host,
                 max_streams=self.streams,
                 term=data_term(self.term),
@@ -253,6 +257,7 @@ class CoordinatorRole:
             "term": self.term,
             "plan": stages,
             "api": f"{c.api_url}/v1" if c is not None and c.api_url else None,
+            "ring_port": c.ring_port if c is not None and c.ring_port else None,  # for firewalls
             "api_limits": self.api_limits.describe(),
             "recoveries": list(c.recoveries) if c is not None else [],
             "replans": list(c.replans) if c is not None else [],

@@ -63,7 +63,8 @@ class ServeConfig:
     # request limits per client (see coordinator/limits.py; the CLI resolves its defaults)
     api_limits: Limits = field(default_factory=lambda: Limits(total=TOTAL_INFLIGHT))
     data_host: str = "127.0.0.1"
-    data_port: int = 0
+    data_port: int = 0  # the ring's return and stage files (0: any free port)
+    data_port_fallback: bool = False  # data_port taken: any free port instead (with a warning)
     advertise_host: str | None = None
     max_streams: int = 4
     link_delay_ms: float = 0.0
@@ -134,6 +135,15 @@ async def _reachable(node: str, timeout: float = 1.0) -> bool:
     return True
 
 
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -170,6 +180,14 @@ class Coordinator:
         cfg = self.cfg
         loop = asyncio.get_running_loop()
         self._data_port = cfg.data_port or _free_port(cfg.data_host)
+        if cfg.data_port and cfg.data_port_fallback and not _port_free(cfg.data_host, cfg.data_port):
+            self._data_port = _free_port(cfg.data_host)
+            log.warning(
+                "the coordinator's ring port %d is taken: using %d, which a firewall that opens only the "
+                "configured ports will block (set serve.ring_port)",
+                cfg.data_port,
+                self._data_port,
+            )
         self._host = cfg.advertise_host or (
             cfg.data_host if cfg.data_host not in ("0.0.0.0", "::") else socket.gethostname()
         )
@@ -413,6 +431,11 @@ class Coordinator:
             streams=sched.active if sched else 0,
             waiting=sched.waiting if sched else 0,
         )
+
+    @property
+    def ring_port(self) -> int:
+        """The port of the ring's return and the stage files (0 before it starts)."""
+        return self._data_port
 
     async def _site(
         self, app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None

@@ -184,12 +184,23 @@ def test_node_id_is_stable(tmp_path: Path) -> None:
         ({"election": {"exclude": "abc"}}, "election.exclude"),
         ({"election": {"min_coordinator_memory_gb": -1}}, "min_coordinator_memory_gb"),
         ({"colour": "blue"}, "unknown setting"),
+        ({"serve": {"ring_port": 70000}}, "ring_port"),
+        ({"serve": {"ring_port": "7702"}}, "ring_port"),
         (["a", "list"], "mapping"),
     ],
 )
 def test_bad_settings_are_named(data: object, error: str) -> None:
     with pytest.raises(ConfigError, match=error):
         parse(data)
+
+
+def test_the_coordinator_ring_port_is_fixed_unless_set() -> None:
+    from agent.config import ring_port_for
+
+    assert parse({}).serve_ring_port is None and ring_port_for(7700) == 7702  # the default: port + 2
+    assert parse({"serve": {"ring_port": 9000}}).serve_ring_port == 9000
+    assert parse({"serve": {"ring_port": 0}}).serve_ring_port == 0  # any free port
+    assert ring_port_for(65535) == 0 and ring_port_for(0) == 0
 
 
 def test_settings_file(tmp_path: Path) -> None:

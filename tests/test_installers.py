@@ -101,7 +101,7 @@ def test_deb_installs_runs_and_purges_clean(tmp_path: Path) -> None:
         text = entry.read_text()
         assert "Exec=lakeshard tray" in text and "Icon=lakeshard" in text
     assert (root / "usr/share/icons/hicolor/scalable/apps/lakeshard.svg").is_file()
-    assert "ports=7700/tcp|7700/udp|5353/udp" in (root / "etc/ufw/applications.d/lakeshard").read_text()
+    assert "ports=7700/tcp|7700/udp|7702/tcp|5353/udp" in (root / "etc/ufw/applications.d/lakeshard").read_text()
 
     # byte-code Python writes beside the package's files (as root, or compileall) goes on removal too
     run(py, "-m", "compileall", "-q", venv / "lib", env=env, cwd=tmp_path)

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from agent.bench import netns
-from agent.bench.lab import AgentLab, agreed
+from agent.bench.lab import DATA_PORT, AgentLab, agreed
 from agent.paths import cache_dir
 from tests.conftest import PROMPTS
 from tests.figures import report
@@ -58,6 +58,7 @@ def _chat(lab: AgentLab, i: int, prompt: str, max_tokens: int) -> dict[str, Any]
 def test_agents_form_a_pipeline_and_a_new_coordinator_takes_over(lab, whole_int8, smollm2_tokenizer) -> None:  # type: ignore[no-untyped-def]
     lab.start_all()
     ci, sv = _serving(lab, [0, 1, 2], 300)
+    assert sv["ring_port"] == DATA_PORT + 2  # one fixed port a firewall can open (serve.ring_port)
     plan = sv["plan"]
     assert plan[0]["layers"][0] == 0 and plan[-1]["layers"][1] == 30
     assert all(a["layers"][1] == b["layers"][0] for a, b in itertools.pairwise(plan))
