@@ -32,6 +32,9 @@ def add_parsers(sub: Any, port_type: Any, positive_int: Any) -> None:
     ag.add_argument("--serve-model", help="when elected coordinator, serve this model (name or path)")
     ag.add_argument("--serve-weights", choices=["fp32", "fp16", "int8", "int4"], help="its weight format")
     ag.add_argument("--serve-api-port", type=port_type, help="the coordinator's API port on 127.0.0.1 (8000)")
+    ag.add_argument(
+        "--serve-ring-port", type=port_type, help="the coordinator's ring and stage-file port (the data port + 2; 0: any)"
+    )
     ag.add_argument("--serve-exact", action="store_true", help="f32 activations, KV and wire (parity checks)")
     ag.add_argument("--device", default="AUTO", help="AUTO (GPU if present, else CPU), CPU, GPU or NPU")
     ag.add_argument("--threads", type=positive_int, help="CPU inference threads")
@@ -86,6 +89,7 @@ def run_agent(args: argparse.Namespace) -> int:
             serve_model=args.serve_model,
             serve_weights=args.serve_weights,
             serve_api_port=args.serve_api_port,
+            serve_ring_port=args.serve_ring_port,
             serve_exact=True if args.serve_exact else None,
         )
     except ConfigError as e:

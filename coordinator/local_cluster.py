@@ -103,6 +103,8 @@ class LocalCluster:
                 peers = ",".join(f"127.0.0.1:{p}" for p in ports)
                 cmd += ["--api-port", str(self.api_ports[i]), "--no-mdns", "--interface", "127.0.0.1"]
                 cmd += ["--static-peers", peers, *self.elect]
+                if "--serve-ring-port" not in self.elect:  # port + 2 may be another agent's here
+                    cmd += ["--serve-ring-port", "0"]
             threads = self.threads or (len(self.cores[i]) if self.cores else None)
             if threads:
                 cmd += ["--threads", str(threads)]
