@@ -33,7 +33,7 @@ def add_parsers(sub: Any, port_type: Any, positive_int: Any) -> None:
     ag.add_argument("--serve-weights", choices=["fp32", "fp16", "int8", "int4"], help="its weight format")
     ag.add_argument("--serve-api-port", type=port_type, help="the coordinator's API port on 127.0.0.1 (8000)")
     ag.add_argument(
-        "--serve-ring-port", type=port_type, help="the coordinator's ring and stage-file port (the data port + 2; 0: any)"
+        "--serve-ring-port", type=port_type, help="the coordinator's ring and stage-file port (data port + 2; 0: any)"
     )
     ag.add_argument("--serve-exact", action="store_true", help="f32 activations, KV and wire (parity checks)")
     ag.add_argument("--device", default="AUTO", help="AUTO (GPU if present, else CPU), CPU, GPU or NPU")
