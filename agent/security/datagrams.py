@@ -120,6 +120,10 @@ class Datagrams:
     def status(self) -> dict[str, Any]:
         return {"mode": "signed" if self.signed else "plaintext", "refused": dict(self.refused)}
 
+    def revocation_version(self) -> int:
+        """The version of the revocation list this node holds, as its beats carry it (-1: none)."""
+        return -1
+
 
 class Plain(Datagrams):
     """Unsigned election traffic (a node without credentials, or started ``--insecure``)."""
@@ -288,6 +292,10 @@ class Signed(Datagrams):
                 log.info("revocation list: version %d", self.creds.revocation_version)
         except SecurityError as e:
             log.warning("cannot re-read the revocation list: %s", e)
+
+    def revocation_version(self) -> int:
+        self._refresh()  # 'cluster revoke' on this node wrote a newer list: say so in the next beat
+        return self.creds.revocation_version
 
     def status(self) -> dict[str, Any]:
         sent = {k: {"datagrams": self.sent[k], "largest_bytes": self.largest[k]} for k in ("with_cert", "lean")}
