@@ -53,7 +53,7 @@ class RevocationGossip:
         self.refused = 0
         self.failed = 0
         self.last_error: str | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[bool] | None = None
         self._retry_at = float("-inf")  # monotonic: no fetch before this (backoff)
         self._backoff = BACKOFF_S
         self._warned = float("-inf")
@@ -70,7 +70,9 @@ class RevocationGossip:
         if time.monotonic() < self._retry_at:
             return
         host = f"[{src[0]}]" if ":" in src[0] else src[0]
-        self._task = asyncio.get_running_loop().create_task(self.fetch(f"{host}:{beat.port}", beat.node, beat.revocation))
+        self._task = asyncio.get_running_loop().create_task(
+            self.fetch(f"{host}:{beat.port}", beat.node, beat.revocation)
+        )
 
     async def fetch(self, address: str, node: str, offered: int) -> bool:
         """Fetch node ``node``'s list from ``address`` (host:port) and adopt it if it is newer and

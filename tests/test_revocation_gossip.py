@@ -57,11 +57,15 @@ async def _peer(s: aiohttp.ClientSession, port: int, node: str) -> dict[str, Any
 
 def test_a_revocation_reaches_every_member() -> None:
     with LocalCluster(3, elect=[], secure=True, form=True) as c:
-        asyncio.run(_revoke_and_watch(c))
+        n0, n2, version = asyncio.run(_revoke_and_watch(c))
+        # the agent's own log file (its home's logs/; the console shows warnings only)
+        log1 = "".join(p.read_text(errors="replace") for p in (c.home(1) / "logs").glob("*.log"))
+    assert f"revocation list v{version} from node {n0}: revoked {n2}" in log1, log1[-3000:]
+    assert f"node {n2} is revoked: closed its open connections" in log1, log1[-3000:]
 
 
-async def _revoke_and_watch(c: LocalCluster) -> None:
-    a0, a1, a2 = c.api_ports
+async def _revoke_and_watch(c: LocalCluster) -> tuple[str, str, int]:
+    a0, a1, _ = c.api_ports
     async with aiohttp.ClientSession() as s:
         ids = [await _local(s, p, "/v1/cluster/identity") for p in c.api_ports]
         n0, n1, n2 = (str(i["node_id"]) for i in ids)
@@ -81,6 +85,8 @@ async def _revoke_and_watch(c: LocalCluster) -> None:
         # agent 2 holds a websocket open on agent 1's data port
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx2)) as s2:
             ws = await s2.ws_connect(f"wss://127.0.0.1:{c.ports[1]}/ws")
+            await asyncio.sleep(0.5)
+            assert not ws.closed
 
             t0 = time.monotonic()
             answer = await _local(s, a0, "/v1/cluster/revoke", {"node": n2})
@@ -108,6 +114,7 @@ async def _revoke_and_watch(c: LocalCluster) -> None:
         assert st["revocation"]["adopted"] == 1 and st["revocation"]["version"] == version, st["revocation"]
         assert await alive(a1, n0) and await alive(a0, n1)  # the rest of the cluster carries on
     print(f"agent 1 adopted revocation list v{version} {took:.1f} s after the revoke on agent 0")
+    return n0, n2, version
 
 
 async def _not_alive(s: aiohttp.ClientSession, port: int, node: str) -> bool:
@@ -120,7 +127,20 @@ async def _not_alive(s: aiohttp.ClientSession, port: int, node: str) -> bool:
 
 def _beat(node: str, port: int, revocation_version: int) -> Beat:
     return Beat(
-        "c", node, port, 1, "follower", None, "available", True, 1.0, 1, 2, ("CPU",), "0.1.0", revocation=revocation_version
+        "c",
+        node,
+        port,
+        1,
+        "follower",
+        None,
+        "available",
+        True,
+        1.0,
+        1,
+        2,
+        ("CPU",),
+        "0.1.0",
+        revocation=revocation_version,
     )
 
 

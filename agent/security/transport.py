@@ -68,7 +68,7 @@ class Transport:
     _nodes_at: dict[str, tuple[str, float]] = field(default_factory=dict, repr=False)
     # connections open now, by the node at their other end: requests it is making here (their
     # asyncio transport) and websockets this node opened to it
-    _serving: dict[str, set[asyncio.BaseTransport]] = field(default_factory=dict, repr=False)
+    _serving: dict[str, set[asyncio.Transport]] = field(default_factory=dict, repr=False)
     _links: dict[str, weakref.WeakSet[aiohttp.ClientWebSocketResponse]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -131,11 +131,11 @@ class Transport:
             self._links.setdefault(node, weakref.WeakSet()).add(ws)
         return node
 
-    def serving(self, node: str, conn: asyncio.BaseTransport) -> None:
+    def serving(self, node: str, conn: asyncio.Transport) -> None:
         """``node`` is making a request on ``conn`` (until :meth:`served`)."""
         self._serving.setdefault(node, set()).add(conn)
 
-    def served(self, node: str, conn: asyncio.BaseTransport) -> None:
+    def served(self, node: str, conn: asyncio.Transport) -> None:
         conns = self._serving.get(node)
         if conns is not None:
             conns.discard(conn)
