@@ -48,6 +48,7 @@ from agent.identity import TermStore, node_id
 from agent.local_api import make_local_app, serve_local
 from agent.paths import agent_state_dir, log_dir
 from agent.protocol.events import NodeInfo
+from agent.revocation_gossip import RevocationGossip
 from agent.security import transport
 from agent.security.datagrams import for_credentials
 from agent.security.fencing import CoordinatorFence
@@ -137,6 +138,7 @@ class AgentDaemon:
         )
         self.elector: Elector | None = None
         self.discovery: Discovery | None = None
+        self.gossip: RevocationGossip | None = None
         self.capacity: dict[str, Any] | None = None
         self.api_port = settings.api_port
         self.serves_local_api = True
@@ -175,6 +177,10 @@ class AgentDaemon:
             signed = for_credentials(self.transport.creds)  # election datagrams: signed with credentials
             self.elector = Elector(self.me, self.settings, self.store, self.opts.timing, signed)
             self.elector.on_term = self._on_term
+            if self.transport.secure:  # members adopt the newest revocation list their peers' beats announce
+                self.gossip = RevocationGossip(self.transport)
+                self.elector.on_beat_heard = self.gossip.on_beat
+                self._tasks.append(asyncio.create_task(self.gossip.run()))
             await self.elector.async_start(self.opts.host)
             if self.settings.mdns:
                 self.discovery = Discovery(
@@ -512,6 +518,7 @@ class AgentDaemon:
         st["links"] = self.links
         st["services"] = self.services.status() if self.services is not None else None
         st["assignments_refused"] = self.fence.refused  # not from the coordinator of their term
+        st["revocation"] = self.gossip.status() if self.gossip is not None else None
         return st
 
 

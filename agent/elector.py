@@ -104,6 +104,8 @@ class Elector:
         self.peers: dict[str, Peer] = {}
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=100)
         self.on_term: Callable[[int], None] | None = None  # tells the stage server about new terms
+        # every beat taken (signed and checked, with credentials) and where it came from: revocation gossip
+        self.on_beat_heard: Callable[[Beat, tuple[str, int]], None] | None = None
         now = time.monotonic()
         self.started = now
         self.leader_last = now  # last beat of the coordinator we follow (start: give discovery a chance)
@@ -279,6 +281,7 @@ class Elector:
             tok_s=self.me.tok_s,
             next_rtt_ms=self.me.next_rtt_ms,
             offers=self.me.device_offers(mem_free),
+            revocation=self.datagrams.revocation_version(),
         )
         self._beat_sent = now if self.role is Role.COORDINATOR else None
         for addr in self._targets():
@@ -328,6 +331,11 @@ class Elector:
             p.beat = msg
             if msg.role == "coordinator":
                 p.last_led = p.last_heard
+            if self.on_beat_heard is not None:
+                try:
+                    self.on_beat_heard(msg, src)
+                except Exception:
+                    log.exception("beat hook failed")
             self._on_beat(msg, p, src)
         elif isinstance(msg, VoteRequest):
             self._on_vote_request(msg, p, src)

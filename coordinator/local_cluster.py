@@ -91,6 +91,12 @@ class LocalCluster:
     def nodes(self) -> list[str]:
         return [f"127.0.0.1:{p}" for p in self.ports]
 
+    def home(self, i: int) -> Path:
+        """Elected agent ``i``'s LAKESHARD_HOME (its security folder: ``home(i) / "config" / "security"``)."""
+        if self._homes is None:
+            raise RuntimeError("only elected agents have homes of their own, once started")
+        return Path(self._homes.name) / f"agent{i}"
+
     def start(self, timeout: float = 60.0) -> LocalCluster:
         ports = self._fixed_ports or [free_port() for _ in range(self.n)]
         self.api_ports = [free_port() for _ in range(self.n)] if self.elect is not None else []

@@ -30,6 +30,7 @@ KIND_RE = re.compile(r"^[A-Z][A-Z0-9_]{0,15}$")
 MAX_SCORE = 1e7  # GFLOP/s; anything above is a forgery or a bug
 MAX_MEM = 1 << 50  # 1 PiB
 MAX_OFFERS = 8  # devices one beat offers
+MAX_REVOCATION = 1 << 31  # revocation list versions (one per revoked node: far fewer)
 
 
 def id_field(v: Any, name: str) -> str:
@@ -122,6 +123,9 @@ class Beat(Message):
     next_rtt_ms: float | None = None  # round trip from its stage to the next agent of the ring
     # each device it offers (older agents leave them out: score and mem_free above stand for the node)
     offers: tuple[DeviceOffer, ...] = ()
+    # the version of the revocation list the sender holds (-1: none, or a plaintext node): members
+    # that hold an older one fetch the sender's (see agent.revocation_gossip)
+    revocation: int = -1
 
     def header(self) -> dict[str, Any]:
         d = super().header()
@@ -153,6 +157,7 @@ class Beat(Message):
             tok_s=float_field(h.get("tok_s", 0.0), "tok_s", 0.0, 1e7),
             next_rtt_ms=None if h.get("next_rtt_ms") is None else float_field(h["next_rtt_ms"], "next_rtt_ms", 0, 1e6),
             offers=offers_field(h.get("offers", []), "offers"),
+            revocation=int_field(h.get("revocation", -1), "revocation", -1, MAX_REVOCATION),
         )
 
 

@@ -17,7 +17,9 @@ credentials (:func:`for_credentials`):
   A beat is sealed once per round (one stamp, one signature) for every peer; a reply (ack, vote)
   or a vote request names the node it is for (``to``), which must be the receiver.
   A beat is then about 500 bytes, and about 1 KB with the certificate (1.2 KB at most: a beat that
-  offers 8 devices): one datagram, under a 1400-byte MTU.
+  offers 8 devices): one datagram, under a 1400-byte MTU. A beat also says which revocation
+  list version its sender holds (:meth:`Datagrams.revocation_version`, a few bytes): members
+  that hold an older one fetch the newer list (:mod:`agent.revocation_gossip`).
 
 What :class:`Signed` refuses (each counted by code, the first of each code every ``LOG_EVERY_S``
 logged as a WARNING): ``unsigned`` (a plain frame), ``other_cluster`` (the envelope names another
@@ -119,6 +121,10 @@ class Datagrams:
 
     def status(self) -> dict[str, Any]:
         return {"mode": "signed" if self.signed else "plaintext", "refused": dict(self.refused)}
+
+    def revocation_version(self) -> int:
+        """The version of the revocation list this node holds, as its beats carry it (-1: none)."""
+        return -1
 
 
 class Plain(Datagrams):
@@ -288,6 +294,10 @@ class Signed(Datagrams):
                 log.info("revocation list: version %d", self.creds.revocation_version)
         except SecurityError as e:
             log.warning("cannot re-read the revocation list: %s", e)
+
+    def revocation_version(self) -> int:
+        self._refresh()  # 'cluster revoke' on this node wrote a newer list: say so in the next beat
+        return self.creds.revocation_version
 
     def status(self) -> dict[str, Any]:
         sent = {k: {"datagrams": self.sent[k], "largest_bytes": self.largest[k]} for k in ("with_cert", "lean")}

@@ -13,6 +13,9 @@ A :class:`Transport` is chosen once when a process starts (:func:`choose`) and i
 * :func:`peer_middleware`: on a secure port, the peer's node id is taken from its certificate
   (``request["peer"]``), revoked nodes are refused with 403, and only the public cluster routes
   (the CA, joining, the revocation list) answer a client that shows no certificate.
+* :meth:`Transport.drop_revoked`: once the revocation list names a node, its connections that
+  are still open (a websocket or a request in progress here, a link this node opened to it) are
+  closed; every new request or handshake of it is refused anyway.
 
 There is no silent plaintext: :func:`choose` gives it only when asked (``--insecure``, or
 ``insecure: true`` in the settings), and refuses a node without credentials otherwise.
@@ -26,6 +29,7 @@ import asyncio
 import logging
 import ssl
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +66,10 @@ class Transport:
     _client: ssl.SSLContext | None = field(default=None, repr=False)
     _refreshed: float = field(default=0.0, repr=False)
     _nodes_at: dict[str, tuple[str, float]] = field(default_factory=dict, repr=False)
+    # connections open now, by the node at their other end: requests it is making here (their
+    # asyncio transport) and websockets this node opened to it
+    _serving: dict[str, set[asyncio.Transport]] = field(default_factory=dict, repr=False)
+    _links: dict[str, weakref.WeakSet[aiohttp.ClientWebSocketResponse]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.creds is not None:
@@ -107,16 +115,49 @@ class Transport:
             try:
                 if self.creds.refresh():
                     log.info("revocation list: version %d", self.creds.revocation_version)
+                    self.drop_revoked()
             except SecurityError as e:
                 log.warning("cannot re-read the revocation list: %s", e)
         return self.creds.peer_node_id(ssl_object)
 
     def check_server(self, ws: aiohttp.ClientWebSocketResponse) -> str | None:
         """The node id of the server a websocket reached; :class:`SecurityError` when it is
-        revoked (the TLS handshake itself checks only the CA)."""
+        revoked (the TLS handshake itself checks only the CA). The link is closed if that node
+        is revoked later (:meth:`drop_revoked`)."""
         if self.creds is None:
             return None
-        return self.peer(ws.get_extra_info("ssl_object"))
+        node = self.peer(ws.get_extra_info("ssl_object"))
+        if node is not None:
+            self._links.setdefault(node, weakref.WeakSet()).add(ws)
+        return node
+
+    def serving(self, node: str, conn: asyncio.Transport) -> None:
+        """``node`` is making a request on ``conn`` (until :meth:`served`)."""
+        self._serving.setdefault(node, set()).add(conn)
+
+    def served(self, node: str, conn: asyncio.Transport) -> None:
+        conns = self._serving.get(node)
+        if conns is not None:
+            conns.discard(conn)
+            if not conns:
+                del self._serving[node]
+
+    def drop_revoked(self) -> int:
+        """Close every open connection of a node the revocation list names; how many it closed."""
+        if self.creds is None:
+            return 0
+        closed = 0
+        for node in [n for n in (*self._serving, *self._links) if self.creds.is_revoked(n)]:
+            for conn in self._serving.pop(node, set()):
+                if not conn.is_closing():
+                    conn.abort()
+                    closed += 1
+            for ws in list(self._links.pop(node, ())):
+                if not ws.closed:
+                    asyncio.get_running_loop().create_task(ws.close())
+                    closed += 1
+            log.info("node %s is revoked: closed its open connections", node)
+        return closed
 
     async def node_at(self, address: str, timeout: float = 5.0) -> str | None:
         """The node id in the certificate of the node serving ``address`` (host:port), from a
@@ -197,4 +238,11 @@ async def peer_middleware(request: web.Request, handler: Handler) -> web.StreamR
             raise web.HTTPForbidden(text="a node certificate of this cluster is required")
         if peer is not None:
             request["peer"] = peer
+            conn = request.transport
+            if conn is not None:  # a websocket lasts: closed if the peer is revoked meanwhile
+                t.serving(peer, conn)
+                try:
+                    return await handler(request)
+                finally:
+                    t.served(peer, conn)
     return await handler(request)
