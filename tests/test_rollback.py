@@ -113,3 +113,35 @@ def test_a_bad_rollback_is_refused(fp32_stage: Stage) -> None:
 )
 def test_compaction_policy(phys: int, masked: int, compact: bool) -> None:
     assert should_compact(phys, masked) is compact
+
+
+def test_a_model_per_stream_stage_steps_streams_in_turn_and_reuses_closed_streams_models(fp32_stage: Stage) -> None:
+    """The GPU's way (each stream its own compiled model; see device_profile.model_per_stream),
+    run here on the CPU: streams stepped in turn give their solo tokens, and a closed stream's
+    compiled model serves the next stream instead of a new compile."""
+    import gc
+
+    stage = Stage(fp32_stage.dir, device="CPU", exact=True, per_stream=True)
+    prompts = [[1, 504, 3575, 28, 357], [1, 1073, 314, 260, 1789, 30], [1, 22, 7, 9]]
+    solo = []
+    for p in prompts:
+        st = fp32_stage.open_stream()
+        st.reset()
+        first = int(np.argmax(_feed(fp32_stage, st, p)))
+        solo.append([first, *_greedy(fp32_stage, st, first, 8)[0]])
+    streams = [stage.open_stream() for _ in prompts]
+    assert stage.models_compiled == 3 and len({id(s.request) for s in streams}) == 3
+    toks = []
+    for st, p in zip(streams, prompts, strict=True):
+        st.reset()
+        toks.append([int(np.argmax(_feed(stage, st, p)))])
+    for _ in range(8):
+        for st, t in zip(streams, toks, strict=True):
+            t.append(int(np.argmax(_feed(stage, st, [t[-1]]))))
+    assert toks == solo
+    del streams, st
+    gc.collect()
+    again = stage.open_stream()  # a model given back by a closed stream: no compile
+    again.reset()
+    first = int(np.argmax(_feed(stage, again, prompts[0])))
+    assert stage.models_compiled == 3 and [first, *_greedy(stage, again, first, 8)[0]] == solo[0]

@@ -21,6 +21,13 @@ exact mode (parity tests)     f32, f32 KV, no dynamic          the same
                               quantization
 threads                       INFERENCE_NUM_THREADS            not a GPU property
 compiled-model cache          ``CACHE_DIR`` on the Core (GPU kernels take seconds to build)
+streams of one stage          one InferRequest each, on one    one compiled model each (measured
+(``model_per_stream``)        compiled model                   on the GPU plugin through PoCL:
+                                                               requests of one stateful compiled
+                                                               model stepped in turn change each
+                                                               other's tokens; a model each is
+                                                               exact; the weights are loaded once
+                                                               a stream)
 ============================  ===============================  ==================================
 
 ``properties_for`` is the pure table; ``compile_properties`` asks OpenVINO for the device's
@@ -40,6 +47,11 @@ from typing import Any
 from agent.runtime.device import DeviceError, core
 
 log = logging.getLogger(__name__)
+
+
+def model_per_stream(device: str) -> bool:
+    """Whether each stream of a stage needs a compiled model of its own (see the table)."""
+    return device.split(".")[0] == "GPU"
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import numpy as np
 import openvino as ov
 
 from agent.runtime.device import choose_device, compile_model
-from agent.runtime.device_profile import compile_properties
+from agent.runtime.device_profile import compile_properties, model_per_stream
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +138,10 @@ class Stage:
         threads: int | None = None,
         exact: bool = False,
         kv_precision: str | None = None,
+        per_stream: bool | None = None,
     ) -> None:
+        """``per_stream``: a compiled model for each stream (default: where the device needs it,
+        :func:`~agent.runtime.device_profile.model_per_stream`); a closed stream's model is reused."""
         self.dir = Path(stage_dir)
         self.manifest: dict[str, Any] = json.loads((self.dir / "manifest.json").read_text())
         st = self.manifest["stage"]
@@ -149,6 +153,10 @@ class Stage:
         self.device = choose_device(device)
         props = compile_properties(self.device, threads=threads, exact=exact, kv_precision=kv_precision)
         self.compiled = compile_model(self.dir / "model.xml", self.device, props)
+        self.per_stream = model_per_stream(self.device) if per_stream is None else per_stream
+        self._props = props
+        self._spare: list[ov.CompiledModel] = [self.compiled]  # models no open stream uses (per_stream)
+        self.models_compiled = 1
         names = {p.get_any_name() for p in self.compiled.inputs}
         self.has_beam_idx = "beam_idx" in names
         # The last stage of a split also gives its final hidden states, so that the vocabulary
@@ -185,8 +193,22 @@ class Stage:
         return int(st["layer_start"]), int(st["layer_end"])
 
     def open_stream(self) -> Stream:
+        if not self.per_stream:
+            with self._lock:
+                return Stream(self.compiled.create_infer_request())
         with self._lock:
-            return Stream(self.compiled.create_infer_request())
+            model = self._spare.pop() if self._spare else None
+        if model is None:  # a new stream beside open ones: a model of its own (seconds; cached kernels)
+            model = compile_model(self.dir / "model.xml", self.device, self._props)
+            with self._lock:
+                self.models_compiled += 1
+        stream = Stream(model.create_infer_request())
+        weakref.finalize(stream, self._give_back, model)  # a closed stream's model serves the next
+        return stream
+
+    def _give_back(self, model: ov.CompiledModel) -> None:
+        with self._lock:
+            self._spare.append(model)
 
     def check_input(self, x: np.ndarray) -> None:
         if self.first:

@@ -8,6 +8,8 @@ Variants, each on a fresh Stage (1-stage SmolLM2 INT8 export, exact mode), 3 pro
   turns     three streams stepped in turn (tests/test_gpu.py's scenario)
   keep      turns, every input array kept alive until the end (a freed input buffer re-read?)
   copies    turns, inputs copied into tensors OpenVINO owns (no shared host memory)
+  own-models  turns, each stream on a compiled model of its own
+  num-streams turns, one compiled model with NUM_STREAMS = the number of streams
 One JSON line per device and variant: the first differing token per stream against solo.
 """
 
@@ -85,6 +87,20 @@ def turns(stage: Stage, prompts: list[list[int]]) -> list[list[int]]:
     return toks
 
 
+def turns_own_models(d: Path, dev: str, prompts: list[list[int]]) -> list[list[int]]:
+    """As ``turns``, each stream on a compiled model of its own."""
+    stages = [Stage(d, device=dev, exact=True) for _ in prompts]
+    streams = [s.open_stream() for s in stages]
+    toks = []
+    for stage, st, p in zip(stages, streams, prompts, strict=True):
+        st.reset()
+        toks.append([first_token(stage, st, p)])
+    for _ in range(N):
+        for stage, st, t in zip(stages, streams, toks, strict=True):
+            t.append(first_token(stage, st, [t[-1]]))
+    return toks
+
+
 def diff(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
 
@@ -112,7 +128,32 @@ def main() -> None:
                 ),
                 flush=True,
             )
-            for mode in ("turns", "keep", "copies"):
+            cp = stage_mod.compile_properties
+            stage_mod.compile_properties = lambda *a, **k: {**cp(*a, **k), "NUM_STREAMS": len(prompts)}  # type: ignore[assignment]
+            got = turns(Stage(d, device=dev, exact=True), prompts)
+            stage_mod.compile_properties = cp  # type: ignore[assignment]
+            print(
+                json.dumps(
+                    {
+                        "device": dev,
+                        "variant": "num-streams",
+                        "first_diff": [diff(a, b) for a, b in zip(got, base, strict=True)],
+                    }
+                ),
+                flush=True,
+            )
+            own = turns_own_models(d, dev, prompts)
+            print(
+                json.dumps(
+                    {
+                        "device": dev,
+                        "variant": "own-models",
+                        "first_diff": [diff(a, b) for a, b in zip(own, base, strict=True)],
+                    }
+                ),
+                flush=True,
+            )
+            for mode in ("turns",):
                 stage_mod.ov = _Ov(mode)  # type: ignore[assignment]
                 got = turns(Stage(d, device=dev, exact=True), prompts)
                 stage_mod.ov = ov
