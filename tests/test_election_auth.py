@@ -15,7 +15,7 @@ import logging
 import socket
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -46,6 +46,13 @@ from agent.security.transport import Transport
 from coordinator.local_cluster import LocalCluster, free_port
 from tests.test_cluster_identity import make_member
 from tests.test_cluster_tls import Home
+from tests.udp import agreed, until
+from tests.udp import ask as _ask_udp
+
+
+async def send(port: int, frame: bytes, wait: float = 0.4) -> bytes | None:
+    return await _ask_udp(port, frame, wait)
+
 
 GB = 1024**3
 FAST = Timing(beat_s=0.1, peer_timeout_s=0.6, election_base_s=0.5, election_spread_s=0.3, vote_window_s=0.4)
@@ -120,34 +127,6 @@ async def trio(pki: Pki, tmp_path: Path) -> AsyncIterator[Trio]:
     tap.close()
 
 
-async def _until(cond: Callable[[], bool], timeout: float = 15.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        assert loop.time() < end, "condition not met in time"
-        await asyncio.sleep(0.05)
-
-
-def _agreed(es: list[Elector]) -> str | None:
-    leaders = {e.leader() for e in es}
-    return leaders.pop() if len(leaders) == 1 and None not in leaders else None
-
-
-async def _send(port: int, frame: bytes, wait: float = 0.4) -> bytes | None:
-    """Send one datagram from a fresh socket; the answer, if one comes within ``wait``."""
-    loop = asyncio.get_running_loop()
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    s.setblocking(False)
-    s.bind(("127.0.0.1", 0))
-    try:
-        await loop.sock_sendto(s, frame, ("127.0.0.1", port))
-        return await asyncio.wait_for(loop.sock_recv(s, 65536), wait)
-    except TimeoutError:
-        return None
-    finally:
-        s.close()
-
-
 def _beat(cluster: str, node: str, term: int, role: str = "coordinator", offers: int = 1) -> Beat:
     devs = tuple(DeviceOffer(f"GPU.{i}", 1234.5, 8 * GB, True) for i in range(offers))
     return Beat(cluster, node, 9, term, role, node, "available", True, 1.0, GB, 2 * GB, ("CPU",), "0.1.0", offers=devs)
@@ -170,8 +149,8 @@ def _opened(frame: bytes) -> tuple[Sealed, Message]:
 
 async def test_signed_trio_elects_one_coordinator(trio: Trio) -> None:
     es = trio.electors
-    await _until(lambda: _agreed(es) is not None)
-    leader = _agreed(es)
+    await until(lambda: agreed(es) is not None)
+    leader = agreed(es)
     assert sum(e.role is Role.COORDINATOR for e in es) == 1
     await asyncio.sleep(1.0)  # a second of beats and acknowledgements
     # every datagram on the wire is signed (the tap, never heard from, gets the certificate each time)
@@ -200,8 +179,8 @@ async def test_forged_foreign_revoked_impersonating_and_replayed_refused(
     trio: Trio, pki: Pki, caplog: pytest.LogCaptureFixture
 ) -> None:
     es = trio.electors
-    await _until(lambda: _agreed(es) is not None)
-    leader = _agreed(es)
+    await until(lambda: agreed(es) is not None)
+    leader = agreed(es)
     follower = next(e for e in es if e.role is Role.FOLLOWER)
     term, cid = follower.store.state.term, pki.cluster
     recorded = next(
@@ -243,19 +222,19 @@ async def test_forged_foreign_revoked_impersonating_and_replayed_refused(
     caplog.set_level(logging.INFO, logger="agent.security.datagrams")
     for what, code, frame in cases:
         before = follower.datagrams.refused[code]
-        assert await _send(follower.me.port, frame) is None, what  # no answer to a refused datagram
-        await _until(lambda c=code, b=before: follower.datagrams.refused[c] > b, timeout=2)  # type: ignore[misc]
+        assert await send(follower.me.port, frame) is None, what  # no answer to a refused datagram
+        await until(lambda c=code, b=before: follower.datagrams.refused[c] > b, timeout=2)  # type: ignore[misc]
         assert any(f"[{code}," in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records), what
-        assert follower.store.state.term == term and _agreed(es) == leader, what
+        assert follower.store.state.term == term and agreed(es) == leader, what
     assert not {"usurper", pki.revoked.node_id, pki.outsider.node_id} & set(follower.peers)
     assert {h["coordinator"] for h in follower.history} == {leader}
     # a valid datagram of a member is taken once; the same bytes again, or an older term after, are not
     ok = _seal(imp, _beat(cid, imp.node_id, term, "follower"))
-    await _send(follower.me.port, ok)
-    await _until(lambda: imp.node_id in follower.peers, timeout=2)
-    await _send(follower.me.port, ok)
-    await _send(follower.me.port, _seal(imp, _beat(cid, imp.node_id, term - 1, "follower")))
-    await _until(lambda: follower.datagrams.refused["stale_term"] == 1, timeout=2)
+    await send(follower.me.port, ok)
+    await until(lambda: imp.node_id in follower.peers, timeout=2)
+    await send(follower.me.port, ok)
+    await send(follower.me.port, _seal(imp, _beat(cid, imp.node_id, term - 1, "follower")))
+    await until(lambda: follower.datagrams.refused["stale_term"] == 1, timeout=2)
     assert follower.datagrams.refused["replay"] == 2
     st = follower.status()
     assert st["election_traffic"]["refused"]["unsigned"] == 1 and st["datagrams_ignored"] >= len(cases) + 2
@@ -263,8 +242,8 @@ async def test_forged_foreign_revoked_impersonating_and_replayed_refused(
 
 async def test_old_term_beat_replayed_after_failover(trio: Trio) -> None:
     es = trio.electors
-    await _until(lambda: _agreed(es) is not None)
-    first = _agreed(es)
+    await until(lambda: agreed(es) is not None)
+    first = agreed(es)
     old = next(e for e in es if e.me.node == first)
     term = old.store.state.term
     recorded = [f for f in trio.tapped if (x := _opened(f))[0].node == first and isinstance(x[1], Beat)]
@@ -272,12 +251,12 @@ async def test_old_term_beat_replayed_after_failover(trio: Trio) -> None:
     old._task.cancel()  # a crash: the socket goes quiet
     old._transport.close()
     rest = [e for e in es if e is not old]
-    await _until(lambda: _agreed(rest) not in (None, first))
+    await until(lambda: agreed(rest) not in (None, first))
     now = {e.me.node: (e.store.state.term, e.leader()) for e in rest}
     assert all(t > term for t, _ in now.values())
     for e in rest:
-        await _send(e.me.port, recorded[-1])  # the old coordinator's last beat, of an older term
-        await _until(lambda e=e: e.datagrams.refused["replay"] >= 1, timeout=2)  # type: ignore[misc]
+        await send(e.me.port, recorded[-1])  # the old coordinator's last beat, of an older term
+        await until(lambda e=e: e.datagrams.refused["replay"] >= 1, timeout=2)  # type: ignore[misc]
     await asyncio.sleep(0.3)
     assert {e.me.node: (e.store.state.term, e.leader()) for e in rest} == now
 
@@ -305,7 +284,7 @@ async def test_plaintext_and_signed_nodes_ignore_each_other(pki: Pki, tmp_path: 
     for e in (plain, secure):
         await e.async_start("127.0.0.1")
     try:
-        await _until(lambda: plain.leader() == "plainnode" and secure.leader() == m.node_id)
+        await until(lambda: plain.leader() == "plainnode" and secure.leader() == m.node_id)
         await asyncio.sleep(0.5)
         assert plain.datagrams.refused["signed"] > 0 and secure.datagrams.refused["unsigned"] > 0
         assert not plain.peers and not secure.peers

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ from agent.config import Settings
 from agent.elector import Elector, LocalNode
 from agent.identity import TermStore
 from agent.protocol import Ack, Beat, DeviceOffer, decode, encode
+from tests.udp import agreed, ask, until
 
 GB = 1024**3
 
@@ -46,41 +46,14 @@ async def trio(tmp_path: Path) -> AsyncIterator[list[Elector]]:
         await e.async_shutdown()
 
 
-async def _until(cond: Callable[[], bool], timeout: float = 15.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        assert loop.time() < end, "condition not met in time"
-        await asyncio.sleep(0.05)
-
-
-def _agreed(es: list[Elector]) -> str | None:
-    leaders = {e.leader() for e in es}
-    return leaders.pop() if len(leaders) == 1 and None not in leaders else None
-
-
-async def _ask(port: int, frame: bytes, wait: float = 2.0) -> bytes | None:
-    loop = asyncio.get_running_loop()
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    s.setblocking(False)
-    s.bind(("127.0.0.1", 0))
-    try:
-        await loop.sock_sendto(s, frame, ("127.0.0.1", port))
-        return await asyncio.wait_for(loop.sock_recv(s, 65536), wait)
-    except TimeoutError:
-        return None
-    finally:
-        s.close()
-
-
 def _beat(cluster: str, node: str, term: int, role: str = "coordinator") -> bytes:
     b = Beat(cluster, node, 9, term, role, node, "available", True, 1.0, GB, 2 * GB, ("CPU",), "0.1.0")
     return encode(b)
 
 
 async def test_one_coordinator_then_failover_with_a_higher_term(trio: list[Elector]) -> None:
-    await _until(lambda: _agreed(trio) is not None)
-    first = _agreed(trio)
+    await until(lambda: agreed(trio) is not None)
+    first = agreed(trio)
     old = next(e for e in trio if e.me.node == first)
     term = old.store.state.term
     # a crash: no goodbye, the socket just goes quiet
@@ -88,7 +61,7 @@ async def test_one_coordinator_then_failover_with_a_higher_term(trio: list[Elect
     old._task.cancel()
     old._transport.close()
     rest = [e for e in trio if e is not old]
-    await _until(lambda: _agreed(rest) not in (None, first))
+    await until(lambda: agreed(rest) not in (None, first))
     assert all(e.store.state.term > term for e in rest)
     # each survivor admitted one coordinator per term
     for e in rest:
@@ -98,32 +71,32 @@ async def test_one_coordinator_then_failover_with_a_higher_term(trio: list[Elect
 
 
 async def test_stale_and_foreign_commands_are_refused(trio: list[Elector]) -> None:
-    await _until(lambda: _agreed(trio) is not None)
+    await until(lambda: agreed(trio) is not None)
     follower = next(e for e in trio if e.role.value == "follower")
     term = follower.store.state.term
-    reply = await _ask(follower.me.port, _beat("t", "usurper", term - 1))
+    reply = await ask(follower.me.port, _beat("t", "usurper", term - 1))
     assert reply is not None
     ack, _ = decode(reply)
     assert isinstance(ack, Ack) and not ack.accepted and ack.code == "stale_term" and ack.term == term
     # a second coordinator in the same term is refused too
-    reply = await _ask(follower.me.port, _beat("t", "usurper", term))
+    reply = await ask(follower.me.port, _beat("t", "usurper", term))
     ack2, _ = decode(reply or b"")
     assert isinstance(ack2, Ack) and ack2.code == "term_conflict"
     # garbage, and another cluster's beats: ignored (no reply), counted, nothing changes
     dropped = follower.dropped
-    assert await _ask(follower.me.port, b"\x00garbage", wait=0.3) is None
-    assert await _ask(follower.me.port, _beat("other", "x", term + 5), wait=0.3) is None
+    assert await ask(follower.me.port, b"\x00garbage", wait=0.3) is None
+    assert await ask(follower.me.port, _beat("other", "x", term + 5), wait=0.3) is None
     assert follower.dropped == dropped + 2
     assert "usurper" not in {h["coordinator"] for h in follower.history}
-    assert "x" not in follower.peers and _agreed(trio) is not None
+    assert "x" not in follower.peers and agreed(trio) is not None
 
 
 async def test_a_paused_coordinator_hands_over(trio: list[Elector]) -> None:
-    await _until(lambda: _agreed(trio) is not None)
-    first = _agreed(trio)
+    await until(lambda: agreed(trio) is not None)
+    first = agreed(trio)
     coord = next(e for e in trio if e.me.node == first)
     coord.me.state = "paused"
-    await _until(lambda: _agreed(trio) not in (None, first))
+    await until(lambda: agreed(trio) not in (None, first))
     assert coord.status()["not_eligible_because"] == "paused"
 
 
@@ -141,7 +114,7 @@ async def test_beats_carry_each_devices_offer(trio: list[Elector]) -> None:
         p = trio[1].peers.get("n0")
         return p.beat if p is not None and p.beat is not None and p.beat.offers else None
 
-    await _until(lambda: heard() is not None)
+    await until(lambda: heard() is not None)
     b = heard()
     assert b is not None and b.mem_free == 8 * GB and b.score == 10.0
     assert b.offers == (
