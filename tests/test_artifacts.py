@@ -11,8 +11,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
+import pytest
 
-from agent.protocol import Assign, Assigned, Error, Message, decode, encode
+from agent.protocol import Assign, Assigned, Error, Message, ProtocolError, decode, encode
 from agent.runtime.device import available_devices
 from tests.conftest import PROMPTS, Served, chat
 
@@ -121,7 +122,7 @@ async def test_an_interrupted_download_resumes_where_it_stopped(tmp_path: Path) 
     part.write_bytes(blob[:300_000])  # what arrived before the link dropped
     try:
         async with aiohttp.ClientSession() as s:
-            await host._fetch(s, f"http://127.0.0.1:{port}/model.bin", part)
+            await host._fetch(s, f"http://127.0.0.1:{port}/model.bin", part, 0.0, len(blob))
             assert part.read_bytes() == blob
             assert ranges == ["bytes=300000-"]
             assert host.fetching == {
@@ -130,8 +131,13 @@ async def test_an_interrupted_download_resumes_where_it_stopped(tmp_path: Path) 
                 "total": len(blob),
                 "resumed_from": 300_000,
             }
-            await host._fetch(s, f"http://127.0.0.1:{port}/model.bin", part)  # already whole: nothing more
+            await host._fetch(s, f"http://127.0.0.1:{port}/model.bin", part, 0.0, len(blob))  # whole: nothing more
             assert part.read_bytes() == blob
+            # a server that sends more than the manifest declared is refused, and the file goes
+            big = tmp_path / "big.bin"
+            with pytest.raises(ProtocolError, match="more than the 1000 bytes expected"):
+                await host._fetch(s, f"http://127.0.0.1:{port}/model.bin", big, 0.0, 1000)
+            assert not big.exists()
     finally:
         host.shutdown()
         await runner.cleanup()
