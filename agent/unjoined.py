@@ -159,7 +159,7 @@ class LocalAgent:
             creds = d.transport.creds
             return {
                 **d.node_status(),
-                "links": "tls" if creds else "plaintext",
+                "links": d.links,
                 "holds_ca": bool(creds and creds.holds_ca),
             }
         return {

@@ -56,7 +56,7 @@ def test_input_pauses_the_agent_within_a_second_and_idling_brings_it_back(tmp_pa
             "--api-port",
             str(api),
         ]
-        cmd += ["--no-mdns", "--device", "CPU"]
+        cmd += ["--no-mdns", "--device", "CPU", "--insecure"]  # a lone agent: no cluster to join
         env = {**env, "LAKESHARD_HOME": str(tmp_path / "home"), "PYTHONWARNINGS": "ignore"}
         agent = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{api}/v1/node"
