@@ -157,11 +157,7 @@ class LocalAgent:
         d = self.daemon
         if d is not None:
             creds = d.transport.creds
-            return {
-                **d.node_status(),
-                "links": d.links,
-                "holds_ca": bool(creds and creds.holds_ca),
-            }
+            return {**d.node_status(), "holds_ca": bool(creds and creds.holds_ca)}
         return {
             "node": self.node,
             "name": self.settings.name or socket.gethostname()[:64] or None,

@@ -194,7 +194,7 @@ def test_credentials_from_the_cli_or_the_local_api_start_it_without_a_restart(
     bc = Credentials.load(b.security)
     until("b serving TLS", lambda: isinstance(exchange(b.port, bc.client_ssl_context()), tuple), 20)
     node = b.get("/v1/node")
-    assert node["cluster"] == bc.cluster_id and node["links"] == "tls" and node["holds_ca"] and node["port"] == b.port
+    assert node["cluster"] == bc.cluster_id and node["links"] == "TLS" and node["holds_ca"] and node["port"] == b.port
     assert any(f"listening on 127.0.0.1:{b.port} (TLS)" in x for x in b.lines), b.lines
     udp = [c for c in psutil.Process(b.proc.pid).net_connections(kind="inet") if c.type == socket.SOCK_DGRAM]
     assert udp  # now it takes part in the election
@@ -209,7 +209,7 @@ def test_credentials_from_the_cli_or_the_local_api_start_it_without_a_restart(
     assert status == 200 and body["member"] and body["cluster_id"] == bc.cluster_id, body
     assert body["message"].startswith(f"joined cluster {bc.cluster_id} as node ") and body["agent_error"] is None
     node = a.get("/v1/node")  # at once: the route started it
-    assert node["state"] != "no_cluster" and node["links"] == "tls" and not node["holds_ca"], node
+    assert node["state"] != "no_cluster" and node["links"] == "TLS" and not node["holds_ca"], node
     assert node["api_port"] == a.api and node["port"] == a.port
     ac = Credentials.load(a.security)
     assert ac.node_id == node["node"] and ac.cluster_id == bc.cluster_id
