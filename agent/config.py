@@ -27,6 +27,8 @@ halfway through start-up. Example::
       api_port: 8000                     # OpenAI-compatible API, 127.0.0.1 on the coordinator
       ring_port: 7702                    # the coordinator's ring and stage files (default: port + 2)
       streams: 4
+      min_nodes: 1                       # spread the model over at least this many nodes when as many
+                                         # are available (keeps each laptop's share small)
       api_rate: 0                        # requests per minute per client (0: unlimited, the default)
       api_concurrency: 0                 # requests in flight per client (0: unlimited, the default)
 """
@@ -74,6 +76,7 @@ class Settings:
     # the elected coordinator's ring and stage-file port (None: the data port + 2, e.g. 7702; 0: any)
     serve_ring_port: int | None = None
     serve_streams: int = 4
+    serve_min_nodes: int = 1  # the plan uses at least this many nodes, when as many are available
     serve_exact: bool = False  # f32 activations, KV and wire (for parity checks)
     # the API's limits per client (a member laptop counts as one: see agent/gateway.py); its
     # API is on 127.0.0.1, reached by members through their agents, so none unless set
@@ -147,7 +150,7 @@ def _section(d: dict[str, Any], key: str) -> dict[str, Any]:
     return v
 
 
-SERVE_KEYS = {"model", "weights", "api_port", "ring_port", "streams", "api_rate", "api_concurrency"}
+SERVE_KEYS = {"model", "weights", "api_port", "ring_port", "streams", "min_nodes", "api_rate", "api_concurrency"}
 KNOWN = {
     "cluster_id",
     "port",
@@ -187,6 +190,9 @@ def parse(d: Any) -> Settings:
         raise ConfigError(f"serve.weights: must be one of {', '.join(WEIGHTS)}")
     if isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= 256:
         raise ConfigError(f"serve.streams: {streams!r} is not a number of streams (1-256)")
+    min_nodes = serve.get("min_nodes", 1)
+    if isinstance(min_nodes, bool) or not isinstance(min_nodes, int) or not 1 <= min_nodes <= 256:
+        raise ConfigError(f"serve.min_nodes: {min_nodes!r} is not a number of nodes (1-256)")
     mdns = disc.get("mdns", True)
     if not isinstance(mdns, bool):
         raise ConfigError("discovery.mdns: must be true or false")
@@ -235,6 +241,7 @@ def parse(d: Any) -> Settings:
         serve_api_port=_port(serve, "api_port", 8000),
         serve_ring_port=_port(serve, "ring_port", 0) if "ring_port" in serve else None,
         serve_streams=streams,
+        serve_min_nodes=min_nodes,
         serve_api_rate=_count(serve, "api_rate", "requests per minute", MAX_RATE),
         serve_api_concurrency=_count(serve, "api_concurrency", "requests in flight", MAX_CONCURRENCY),
     )

@@ -267,13 +267,16 @@ def plan_pipeline(
     hop_s: float = 0.002,
     gain: float = 0.05,
     home: str | None = None,
+    min_nodes: int = 1,
 ) -> Plan:
     """Contiguous layer ranges over some of ``offers`` that serve ``streams`` streams fastest.
 
     Time per token of the whole cluster is ``max(bottleneck, cycle / streams)``, where the
     cycle adds ``hop_s`` per hop: one stream gains nothing from extra nodes, many streams do.
     More nodes are used only when they cut that time by more than ``gain`` (or when the model
-    does not fit on fewer). Raises PlanError saying what is missing when nothing fits.
+    does not fit on fewer), and never fewer than ``min_nodes`` of them while as many are usable
+    (an admin's choice to keep each laptop's share small). Raises PlanError saying what is
+    missing when nothing fits.
 
     ``home`` is the coordinator's own node: of splits as fast (within ``HOME_SLACK``, about the
     noise of the nodes' speed probes), one that gives it the first stage, so that the
@@ -292,7 +295,8 @@ def plan_pipeline(
     usable = _nodes([o for o in offers if o.state != "paused" and o.speed > 0 and o.mem_free > 0])
     if not usable:
         raise PlanError("no node is available (all paused or unknown)")
-    plan = _plan_over(fp, usable, streams=streams, hop_s=hop_s, gain=gain, home=home)
+    least = max(1, min(min_nodes, len(usable)))
+    plan = _plan_over(fp, usable, streams=streams, hop_s=hop_s, gain=gain, home=home, least=least)
     if plan is not None:
         return plan
     need = fp.total_bytes(1)
@@ -304,12 +308,19 @@ def plan_pipeline(
 
 
 def _plan_over(
-    fp: Footprint, nodes: Sequence[_Node], *, streams: int, hop_s: float, gain: float, home: str | None
+    fp: Footprint,
+    nodes: Sequence[_Node],
+    *,
+    streams: int,
+    hop_s: float,
+    gain: float,
+    home: str | None,
+    least: int = 1,
 ) -> Plan | None:
     """:func:`plan_pipeline` over ``nodes``; None when nothing fits."""
     usable = sorted(nodes, key=lambda o: (-o.speed, -o.mem_free, o.name != home, o.name))
     best: tuple[float, Plan] | None = None
-    for k in range(1, min(len(usable), fp.costs.n_layers) + 1):
+    for k in range(min(least, fp.costs.n_layers), min(len(usable), fp.costs.n_layers) + 1):
         chosen = usable[:k]
         orders = (
             itertools.permutations(chosen)

@@ -52,6 +52,7 @@ class CoordinatorRole:
         api_port: int,
         streams: int,
         exact: bool,
+        min_nodes: int = 1,  # the plan spreads over at least this many nodes, when as many are heard
         ring_port: int = 0,  # the ring's return and stage files (0: any free port)
         term: int,
         my_address: str,
@@ -63,6 +64,7 @@ class CoordinatorRole:
         self.model_ref, self.weights, self.api_port = model, weights, api_port
         self.ring_port = ring_port
         self.streams, self.exact, self.term = streams, exact, term
+        self.min_nodes = min_nodes
         self.my_address = my_address
         self.api_limits = api_limits or Limits(total=TOTAL_INFLIGHT)
         self.members = members
@@ -96,7 +98,9 @@ class CoordinatorRole:
             weights = self.weights or (spec.default_weights if spec else "int4")
             members: list[Member] = self.members()
             fp = footprint(model.config(), weights, streams=self.streams)
-            self.plan = plan_pipeline(fp, [m.offer for m in members], streams=self.streams, home=self._home(members))
+            self.plan = plan_pipeline(
+                fp, [m.offer for m in members], streams=self.streams, min_nodes=self.min_nodes, home=self._home(members)
+            )
             self.addresses = {m.offer.node: m.address for m in members}
             nodes = [self.addresses[n] for n in self.plan.nodes]
             log.info("plan: %s", _describe(self.plan))
@@ -156,7 +160,13 @@ class CoordinatorRole:
             if left_only:
                 continue
             try:
-                plan = plan_pipeline(fp, [m.offer for m in members], streams=self.streams, home=self._home(members))
+                plan = plan_pipeline(
+                    fp,
+                    [m.offer for m in members],
+                    streams=self.streams,
+                    min_nodes=self.min_nodes,
+                    home=self._home(members),
+                )
             except PlanError as e:
                 log.warning("membership changed but no plan fits: %s", e)
                 continue

@@ -186,6 +186,8 @@ def test_node_id_is_stable(tmp_path: Path) -> None:
         ({"colour": "blue"}, "unknown setting"),
         ({"serve": {"ring_port": 70000}}, "ring_port"),
         ({"serve": {"ring_port": "7702"}}, "ring_port"),
+        ({"serve": {"min_nodes": 0}}, "serve.min_nodes"),
+        ({"serve": {"min_nodes": "all"}}, "serve.min_nodes"),
         (["a", "list"], "mapping"),
     ],
 )

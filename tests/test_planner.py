@@ -160,6 +160,28 @@ def test_plan_puts_the_coordinators_node_first(
     assert plan.ranges == ranges
 
 
+@pytest.mark.parametrize(
+    ("offers", "streams", "min_nodes", "nodes"),
+    [
+        # one stream: one node is fastest, but the admin asked for the model spread over three
+        ([_o("a", 8), _o("b", 8), _o("c", 8)], 1, 3, ["a", "b", "c"]),
+        # two of them, where one would do
+        ([_o("a", 8), _o("b", 8), _o("c", 8)], 1, 2, ["a", "b"]),
+        # more than are available: all that are (a paused node does not count)
+        ([_o("a", 8), _o("b", 8), _o("p", 8, state="paused")], 1, 3, ["a", "b"]),
+        # a minimum below what speed already asks for changes nothing
+        ([_o("a", 8), _o("b", 8), _o("c", 8)], 64, 2, ["a", "b", "c"]),
+    ],
+)
+def test_plan_spreads_over_at_least_min_nodes(
+    offers: list[NodeOffer], streams: int, min_nodes: int, nodes: list[str]
+) -> None:
+    plan = plan_pipeline(FP, offers, streams=streams, hop_s=0.001, min_nodes=min_nodes)
+    assert sorted(plan.nodes) == nodes
+    assert plan.ranges[0][0] == 0 and plan.ranges[-1][1] == 10
+    assert all(a[1] == b[0] for a, b in zip(plan.ranges, plan.ranges[1:], strict=False))
+
+
 def test_plan_declines_and_says_what_is_missing() -> None:
     with pytest.raises(PlanError, match=r"needs 1\.5 GB, cluster offers 0\.8 GB over 2 node\(s\)"):
         plan_pipeline(FP, [_o("a", 0.4), _o("b", 0.4), _o("p", 64, state="paused")])

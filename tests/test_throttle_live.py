@@ -125,9 +125,10 @@ def test_a_stage_node_paused_by_its_user_or_by_heat_hands_its_work_back_without_
     with xvfb() as xenv:
         envs = [{}, {}, {"DISPLAY": xenv["DISPLAY"], "LAKESHARD_FAKE_SENSORS": str(fake)}]
         elect = ["--serve-model", "smollm2-135m", "--serve-weights", "int8", "--serve-exact"]
-        never_coordinate = QUICK + "election:\n  min_coordinator_memory_gb: 4096\n"  # a stage node only
+        spread = QUICK + "serve:\n  min_nodes: 3\n"  # all three serve, whatever the speed probes say
+        never_coordinate = spread + "election:\n  min_coordinator_memory_gb: 4096\n"  # a stage node only
         c = LocalCluster(
-            3, elect=elect, throttle=True, config=[QUICK, QUICK, never_coordinate], agent_envs=envs
+            3, elect=elect, throttle=True, config=[spread, spread, never_coordinate], agent_envs=envs
         ).start()
         try:
             apis = [f"http://127.0.0.1:{p}" for p in c.api_ports]
