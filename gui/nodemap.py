@@ -292,6 +292,8 @@ class NodeMapWindow(QMainWindow):
             self.show_node(self.selected)
 
     def show_node(self, node: str) -> None:
+        if node != self.selected:
+            self.note.setText("")  # an action's result belongs to the node it was taken on
         self.selected = node
         n = self.view.node(node) if self.view is not None else None
         if n is None:
@@ -327,11 +329,10 @@ class NodeMapWindow(QMainWindow):
         self.pause_btn.setText("Resume this node" if n is not None and n.state == "paused" else "Pause this node")
         other = self.selected is not None and not mine
         self.revoke_btn.setEnabled(other and self.holds_ca())
-        self.note.setText(
-            "Only the laptop that holds the cluster's CA (the one that made it) can revoke another laptop."
-            if other and not self.holds_ca()
-            else ""
-        )
+        if other and not self.holds_ca():  # a refresh keeps the result of an action taken here
+            self.note.setText(
+                "Only the laptop that holds the cluster's CA (the one that made it) can revoke another laptop."
+            )
 
     def revoke_selected(self) -> None:
         """Revoke the selected node (after a confirmation): every member refuses it from then on."""

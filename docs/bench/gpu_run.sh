@@ -1,8 +1,11 @@
 #!/bin/bash
-# How the README's GPU table was measured on the lent device machine (an NVIDIA H200 that
-# OpenVINO's GPU plugin sees through PoCL). Carried there: OpenVINO and friends (cp312 wheels,
-# unpacked to .carry/site) and the smollm2-135m model store entry (.carry/models).
-#   docs/bench/gpu_run.sh setup | extra | model | tests | probe | mixedtest | parity | pipeline | spec   (several in one call)
+# How the README's GPU table was measured on the lent device machine (an NVIDIA H100/H200 that
+# OpenVINO's GPU plugin sees through PoCL). Carried there in three calls (64 MiB each, the machine
+# kept warm between them): .carry/a = site.tar.xz (cp312 wheels of OpenVINO, GenAI, tokenizers,
+# NNCF, aiohttp, zeroconf, cryptography ... unpacked, unused frontends and the NPU plugin left out)
+# + the smollm2-135m store entry without its GGUF + the GGUF's first part; .carry/b and .carry/c
+# the GGUF's other parts.
+#   docs/bench/gpu_run.sh setup | model | tests | probe | mixedtest | parity | pipeline | pipeline2 | mixed | spec   (several in one call)
 # Logs and JSON lines go to $OUT (or ./gpu_out).
 set -u
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
@@ -13,15 +16,12 @@ for phase in "$@"; do
   echo "== $phase at +$(( $(date +%s) - t0 ))s"
   case $phase in
     setup)
-      python3 -c "import tarfile; tarfile.open('.carry/a/site.tar.xz').extractall('.carry', filter='data')"
+      python3 -c "import tarfile, os; os.makedirs('.carry/site', exist_ok=True); tarfile.open('.carry/a/site.tar.xz').extractall('.carry/site', filter='data')"
       mkdir -p .carry/models && cp -r .carry/a/smollm2-135m .carry/models/
-      python3 -c "import openvino as ov; c=ov.Core(); print(ov.__version__, c.available_devices, [c.get_property(d,'FULL_DEVICE_NAME') for d in c.available_devices])" ;;
-    extra)  # pure-Python packages the machine may lack (nncf, zeroconf, platformdirs ...), in .carry/b
-      python3 -c "import tarfile; tarfile.open('.carry/b/extra.tar.xz').extractall('.carry/site', filter='data')"
-      python3 -c "import tarfile; tarfile.open('.carry/b/crypto.tar.xz').extractall('.carry/site', filter='data')"  # cryptography, cffi (cp312)
-      python3 -c "import openvino as ov, openvino_genai, aiohttp, cryptography, zeroconf, msgpack, nncf, transformers, torch, platformdirs, jinja2, tqdm, tokenizers, sentencepiece; print('transformers', transformers.__version__, 'torch', torch.__version__)" ;;
+      python3 -c "import openvino as ov; c=ov.Core(); print(ov.__version__, c.available_devices, [c.get_property(d,'FULL_DEVICE_NAME') for d in c.available_devices])"
+      python3 -c "import openvino_genai, aiohttp, cryptography, zeroconf, msgpack, nncf, transformers, torch, platformdirs, jinja2, tqdm, tokenizers; print('transformers', transformers.__version__, 'torch', torch.__version__)" ;;
     model)
-      cat .carry/a/gguf.aa .carry/b/gguf.ab .carry/b/gguf.ac .carry/c/gguf.ad > .carry/models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
+      cat .carry/a/gguf.aa .carry/b/gguf.ab .carry/c/gguf.ac > .carry/models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
       sha256sum .carry/models/smollm2-135m/*.gguf ;;
     tests)
       timeout $(left) python3 -m pytest tests/test_gpu.py -p no:cacheprovider -rA -s 2>&1 | tee "$OUT/test_gpu.log" | tail -40 ;;
@@ -33,6 +33,8 @@ for phase in "$@"; do
       timeout $(left) python3 -m agent bench parity --device GPU --runs 3 --tokens 64 --json 2>&1 | tee "$OUT/parity_gpu.log" | tail -8 ;;
     pipeline)
       timeout $(left) python3 -m agent bench pipeline --device GPU --stages 1,2 --streams 1,2 --runs 2 --json 2>&1 | tee "$OUT/pipeline_gpu.log" | tail -12 ;;
+    pipeline2)  # 2 GPU stages, 1 and 2 streams (each stream its own compiled model on the GPU)
+      timeout $(left) python3 -m agent bench pipeline --device GPU --stages 2 --streams 1,2 --runs 2 --json 2>&1 | tee "$OUT/pipeline_gpu2.log" | tail -12 ;;
     mixed)
       timeout $(left) python3 -m agent bench pipeline --device GPU,CPU --stages 2 --streams 1,2 --cores-per-node 4 --runs 2 --json 2>&1 | tee "$OUT/pipeline_mixed.log" | tail -8 ;;
     spec)
