@@ -5,7 +5,7 @@
 # NNCF, aiohttp, zeroconf, cryptography ... unpacked, unused frontends and the NPU plugin left out)
 # + the smollm2-135m store entry without its GGUF + the GGUF's first part; .carry/b and .carry/c
 # the GGUF's other parts.
-#   docs/bench/gpu_run.sh setup | model | tests | probe | mixedtest | parity | pipeline | pipeline2 | mixed | spec   (several in one call)
+#   docs/bench/gpu_run.sh setup | model | tests | probe | streams | mixedtest | parity | pipeline | pipeline2 | pipeline2r | mixed | spec   (several in one call)
 # Logs and JSON lines go to $OUT (or ./gpu_out).
 set -u
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
@@ -21,7 +21,7 @@ for phase in "$@"; do
       python3 -c "import openvino as ov; c=ov.Core(); print(ov.__version__, c.available_devices, [c.get_property(d,'FULL_DEVICE_NAME') for d in c.available_devices])"
       python3 -c "import openvino_genai, aiohttp, cryptography, zeroconf, msgpack, nncf, transformers, torch, platformdirs, jinja2, tqdm, tokenizers; print('transformers', transformers.__version__, 'torch', torch.__version__)" ;;
     model)
-      cat .carry/a/gguf.aa .carry/b/gguf.ab .carry/c/gguf.ac > .carry/models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
+      cat .carry/d/gguf.aa .carry/b/gguf.ab .carry/c/gguf.ac > .carry/models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
       sha256sum .carry/models/smollm2-135m/*.gguf ;;
     tests)
       timeout $(left) python3 -m pytest tests/test_gpu.py -p no:cacheprovider -rA -s 2>&1 | tee "$OUT/test_gpu.log" | tail -40 ;;
@@ -35,6 +35,10 @@ for phase in "$@"; do
       timeout $(left) python3 -m agent bench pipeline --device GPU --stages 1,2 --streams 1,2 --runs 2 --json 2>&1 | tee "$OUT/pipeline_gpu.log" | tail -12 ;;
     pipeline2)  # 2 GPU stages, 1 and 2 streams (each stream its own compiled model on the GPU)
       timeout $(left) python3 -m agent bench pipeline --device GPU --stages 2 --streams 1,2 --runs 2 --json 2>&1 | tee "$OUT/pipeline_gpu2.log" | tail -12 ;;
+    streams)  # no model store needed: random weights (std 0.4) from the bundled config
+      timeout $(left) python3 docs/bench/gpu_streams_check.py GPU 2>&1 | tee "$OUT/streams_check.log" | grep '^{' ;;
+    pipeline2r)  # pipeline2 on random weights (speed only; no model store needed)
+      timeout $(left) python3 -m agent bench pipeline --device GPU --random-weights --stages 2 --streams 1,2 --runs 2 --json 2>&1 | tee "$OUT/pipeline_gpu2_random.log" | tail -12 ;;
     mixed)
       timeout $(left) python3 -m agent bench pipeline --device GPU,CPU --stages 2 --streams 1,2 --cores-per-node 4 --runs 2 --json 2>&1 | tee "$OUT/pipeline_mixed.log" | tail -8 ;;
     spec)
