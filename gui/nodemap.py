@@ -329,10 +329,11 @@ class NodeMapWindow(QMainWindow):
         self.pause_btn.setText("Resume this node" if n is not None and n.state == "paused" else "Pause this node")
         other = self.selected is not None and not mine
         self.revoke_btn.setEnabled(other and self.holds_ca())
-        if other and not self.holds_ca():  # a refresh keeps the result of an action taken here
-            self.note.setText(
-                "Only the laptop that holds the cluster's CA (the one that made it) can revoke another laptop."
-            )
+        hint = "Only the laptop that holds the cluster's CA (the one that made it) can revoke another laptop."
+        if other and not self.holds_ca():
+            self.note.setText(hint)
+        elif self.note.text() == hint:  # only the hint goes: a refresh keeps an action's result
+            self.note.setText("")
 
     def revoke_selected(self) -> None:
         """Revoke the selected node (after a confirmation): every member refuses it from then on."""

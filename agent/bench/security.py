@@ -128,7 +128,7 @@ async def _tls_pairs(coords: dict[str, Coordinator], prompt: list[int], tokens_:
             speeds[name].append(len(got) / (loop.time() - t0))
             texts[name] = got
     _say(f"tok/s over mTLS {[round(x, 2) for x in speeds['tls']]}, plaintext {[round(x, 2) for x in speeds['plain']]}")
-    return {"tls": speeds["tls"], "plain": speeds["plain"], "same": texts["tls"] == texts["plain"], "texts": texts}
+    return {"tls": speeds["tls"], "plain": speeds["plain"], "texts": texts}
 
 
 def _pooled(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
@@ -145,7 +145,7 @@ def _pooled(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
         "tls_ratio_by_start": [
             round(statistics.median(a / b for a, b in zip(h["tls"], h["plain"], strict=True)), 3) for h in halves
         ],
-        "tls_same_tokens": all(h["same"] for h in halves) and first["texts"]["tls"] == second["texts"]["tls"],
+        "tls_same_tokens": all(h["texts"]["tls"] == h["texts"]["plain"] == first["texts"]["tls"] for h in halves),
     }
 
 

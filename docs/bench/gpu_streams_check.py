@@ -9,7 +9,7 @@ One Stage (1-stage INT8 export, exact mode) on DEVICE (GPU by default): three st
 then the three stepped in turn, once with the device's default (a compiled model per stream on
 the GPU, ``device_profile.model_per_stream``) and once with every stream on the one compiled
 model. One JSON line per variant: the first token where each interleaved stream differs from
-its solo run (``tokens`` = identical).
+its solo run (``--tokens`` where they agree throughout).
 """
 
 from __future__ import annotations
