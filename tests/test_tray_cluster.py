@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from agent.protocol.events import Event, StreamFinished
+from agent.protocol.events import Event, Snapshot, StreamFinished, StreamStarted
 from coordinator.local_cluster import LocalCluster, free_port
 from gui.chat.store import Store
 from gui.chat.window import ChatWindow
@@ -100,6 +100,16 @@ def served2(smollm2) -> Iterator[LocalCluster]:  # type: ignore[no-untyped-def]
         c.stop()
 
 
+def _logs(c: LocalCluster, lines: int = 40) -> str:
+    """The last lines of every agent's log, for a failure's message."""
+    out = []
+    for i in range(len(c.api_ports)):
+        for f in sorted((c.home(i) / "logs").glob("*.log")):
+            out.append(f"--- {f.name}")
+            out += f.read_text(errors="replace").splitlines()[-lines:]
+    return "\n".join(out)
+
+
 def _far_agent(c: LocalCluster) -> tuple[int, int]:
     """(an agent whose coordinator runs on another agent, the coordinator's agent), as API ports."""
     here = [_get(f"{_api(p)}/v1/cluster")["gateway"]["here"] for p in c.api_ports]
@@ -165,20 +175,28 @@ def test_chat_streams_the_apis_answer_and_stop_cancels_it_on_the_cluster(
             events.append(ev)
 
     watcher = asyncio.ensure_future(watch(), loop=qloop)
+    # subscribed (its snapshot is in) before the stream starts, so none of its events is missed
+    run(qloop, until("the event stream", lambda: any(isinstance(e, Snapshot) for e in events), 30))
     pieces.clear()
     w.input.setPlainText("Write a very long story about a dragon who learns to cook. Use many chapters.")
     w.send()
     run(qloop, until("a few pieces", lambda: len(pieces) >= 3, 60))
+    started = run(qloop, until("its start", lambda: [e.stream for e in events if isinstance(e, StreamStarted)], 10))
+    assert len(started) == 1, events
     stopped_at = time.monotonic()
     w.stop()
-    fin = run(
-        qloop,
-        until(
-            "the stream to end on the coordinator",
-            lambda: [e for e in events if isinstance(e, StreamFinished) and e.outcome == "cancelled"],
-            10,
-        ),
-    )
+
+    def ended() -> list[StreamFinished]:
+        return [e for e in events if isinstance(e, StreamFinished) and e.stream == started[0]]
+
+    try:
+        run(qloop, until("the stream to end on the coordinator", ended, 10))
+    except AssertionError as e:
+        raise AssertionError(
+            f"{e}: seen {[x for x in events if not isinstance(x, Snapshot)]}\n{_logs(served2)}"
+        ) from None
+    fin = ended()
+    assert fin[-1].outcome == "cancelled", fin
     assert time.monotonic() - stopped_at < 5
     assert 3 <= fin[-1].tokens < 200
     run(qloop, until("the window to settle", lambda: w.streaming is None))
