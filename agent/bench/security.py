@@ -39,6 +39,7 @@ import numpy as np
 from agent import aio, paths
 from agent.bench.fuzz_frames import VICTIM_MARK, hostile_frames
 from agent.bench.live_fuzz import Hostile, generate, healthy, name_streams
+from agent.bench.machine_load import SHARED, OthersWindow, others_share
 from agent.bench.pipeline import BenchError, resolve_model
 from agent.export.exporter import ExportOptions
 from agent.identity import node_id
@@ -113,9 +114,13 @@ async def _start(cfg: ServeConfig, t: transport.Transport) -> Coordinator:
     return coord
 
 
-async def _tls_pairs(coords: dict[str, Coordinator], prompt: list[int], tokens_: int, runs: int) -> dict[str, Any]:
+async def _tls_pairs(
+    coords: dict[str, Coordinator], prompt: list[int], tokens_: int, runs: int, pids: list[int]
+) -> dict[str, Any]:
+    """Alternating timed runs, and what other processes (not ``pids``) used of the CPU meanwhile."""
     for c in coords.values():
         await generate(c, prompt, 4)  # warm-up
+    window = OthersWindow(pids)
     speeds: dict[str, list[float]] = {"tls": [], "plain": []}
     texts: dict[str, list[int]] = {}
     loop = asyncio.get_running_loop()
@@ -128,7 +133,7 @@ async def _tls_pairs(coords: dict[str, Coordinator], prompt: list[int], tokens_:
             speeds[name].append(len(got) / (loop.time() - t0))
             texts[name] = got
     _say(f"tok/s over mTLS {[round(x, 2) for x in speeds['tls']]}, plaintext {[round(x, 2) for x in speeds['plain']]}")
-    return {"tls": speeds["tls"], "plain": speeds["plain"], "texts": texts}
+    return {"tls": speeds["tls"], "plain": speeds["plain"], "texts": texts, "others": window.close()}
 
 
 def _pooled(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
@@ -138,6 +143,9 @@ def _pooled(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
     tls = [x for h in halves for x in h["tls"]]
     plain = [x for h in halves for x in h["plain"]]
     ratios = [a / b for a, b in zip(tls, plain, strict=True)]
+    share = others_share([h["others"] for h in halves])
+    if share is not None and share > SHARED:
+        _say(f"other processes used {share:.0%} of the CPU during the timed runs: these ratios are of a shared machine")
     return {
         "tls_tok_s": round(statistics.median(tls), 2),
         "plain_tok_s": round(statistics.median(plain), 2),
@@ -146,6 +154,7 @@ def _pooled(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
             round(statistics.median(a / b for a, b in zip(h["tls"], h["plain"], strict=True)), 3) for h in halves
         ],
         "tls_same_tokens": all(h["texts"]["tls"] == h["texts"]["plain"] == first["texts"]["tls"] for h in halves),
+        "others_cpu_share": None if share is None else round(share, 3),
     }
 
 
@@ -326,15 +335,16 @@ async def _main(
     # not (two plaintext clusters: 0.95-0.97), so half the pairs start the TLS one first and
     # half the plaintext one, and their ratios are pooled.
     out: dict[str, Any] = {"model": model.name, "weights": args.weights, "tokens": args.tokens, "runs": args.runs}
+    pids = [os.getpid(), *(x.pid for x in [*sec.procs, *plain.procs])]
     coords = await start("tls", 1)
     try:
-        first = await _tls_pairs(coords, prompt, args.tokens, (args.runs + 1) // 2)
+        first = await _tls_pairs(coords, prompt, args.tokens, (args.runs + 1) // 2, pids)
     finally:
         for c in coords.values():
             await c.async_stop()
     coords = await start("plain", 2)
     try:
-        second = await _tls_pairs(coords, prompt, args.tokens, args.runs // 2) if args.runs > 1 else first
+        second = await _tls_pairs(coords, prompt, args.tokens, args.runs // 2, pids) if args.runs > 1 else first
         out |= _pooled(first, second)
         out |= await _fuzz(coords["plain"], plain.nodes, prompt, args.fuzz, hidden, args.seed)
         out |= await _hostile_connections(p, sec.nodes, plain.nodes, coords["plain"], prompt)

@@ -1,0 +1,43 @@
+"""A benchmark can tell whether other processes used the machine while it timed its own."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from agent.bench.machine_load import OthersWindow, busy_cpu_s, others_share
+
+pytestmark = pytest.mark.skipif(busy_cpu_s() is None, reason="no /proc/stat here")
+
+SPIN = "import time\nend = time.monotonic() + 1.5\nwhile time.monotonic() < end: pass\n"
+
+
+def _spin_within(pids_of: str) -> OthersWindow:
+    """A 1.2 s window while a process spins; it counts as the bench's own if ``pids_of`` says so."""
+    p = subprocess.Popen([sys.executable, "-c", SPIN])
+    try:
+        w = OthersWindow([os.getpid(), p.pid] if pids_of == "own" else [os.getpid()])
+        time.sleep(1.2)
+        return w.close()
+    finally:
+        p.wait()
+
+
+def test_a_busy_stranger_shows_as_others_and_the_bench_s_own_process_does_not() -> None:
+    stranger = _spin_within("stranger")
+    assert stranger.others_s is not None and stranger.others_s > 0.7, stranger.others_s
+    share = others_share([stranger])
+    assert share is not None and share > 0.7 / (stranger.wall_s * len(os.sched_getaffinity(0)))
+    own = _spin_within("own")
+    assert own.others_s is not None and own.others_s < stranger.others_s - 0.5, (own.others_s, stranger.others_s)
+
+
+def test_an_unknown_window_makes_the_share_unknown() -> None:
+    w = OthersWindow([os.getpid()]).close()
+    w.others_s = None  # as where /proc/stat cannot be read
+    assert others_share([w]) is None
+    assert others_share([]) is None
