@@ -43,11 +43,13 @@ from agent.config import Settings, ring_port_for
 from agent.discovery import MIB, Advert, Discovery
 from agent.election import Role, Timing, data_term
 from agent.elector import Elector, LocalNode
+from agent.export import held as held_exports
 from agent.gateway import Target, add_member_routes
 from agent.identity import TermStore, node_id
 from agent.local_api import make_local_app, serve_local
 from agent.paths import agent_state_dir, log_dir
 from agent.protocol.events import NodeInfo
+from agent.replication import ExportCopies, HeardPeer
 from agent.revocation_gossip import RevocationGossip
 from agent.security import transport
 from agent.security.datagrams import for_credentials
@@ -128,6 +130,8 @@ class AgentDaemon:
         self.fence = CoordinatorFence(lambda: self.store.state)
         self.host = StageHost(device=opts.device, threads=opts.threads, spin_ms=opts.spin_ms, head_help=opts.head_help)
         self.host.term_seen = data_term(self.store.state.term)
+        self.held = held_exports.HeldExports()  # whole exports on this disk (a stage assigned from one: no download)
+        self.host.held = self.held
         self.me = LocalNode(
             node=self.node,
             cluster=settings.cluster_id,
@@ -137,6 +141,7 @@ class AgentDaemon:
             mem_free=lambda: int(psutil.virtual_memory().available),
             name=settings.name or socket.gethostname()[:64] or None,
         )
+        self.copies = ExportCopies(self.held, self.me, self.host, self._heard_peers, self._needed_exports)
         self.elector: Elector | None = None
         self.discovery: Discovery | None = None
         self.gossip: RevocationGossip | None = None
@@ -165,6 +170,7 @@ class AgentDaemon:
         log.info("%s", membership(self.node))
         if not self.opts.standalone:
             add_member_routes(public, self)
+            held_exports.add_routes(public, self.held, self._may_fetch)
         try:
             self.me.port = await self._serve(public, self.opts.host, self.settings.port, transport.current().server_ssl)
         except OSError as e:
@@ -199,6 +205,7 @@ class AgentDaemon:
             self._tasks.append(asyncio.create_task(self.contrib.run()))
         if self.elector is not None:
             self._tasks.append(asyncio.create_task(self._coordinate()))
+            self._tasks.append(asyncio.create_task(self.copies.run()))
 
     async def _serve(
         self, app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None
@@ -336,6 +343,7 @@ class AgentDaemon:
                     members=self._members,
                     nodes=self.node_infos,
                     cluster=s.cluster_id,
+                    needed_before=lambda: self.copies.cluster_needs,
                 )
                 self.services.start()
 
@@ -344,6 +352,35 @@ class AgentDaemon:
 
         ips = local_addresses(self.settings.interface)
         return ips[0] if ips else "127.0.0.1"
+
+    def _may_fetch(self, request: web.Request) -> bool:
+        """Who may copy this node's exports: with TLS, whoever the peer middleware let in (a member's
+        certificate); in plaintext, loopback and live peers' addresses."""
+        if self.transport.secure:
+            return True
+        ip = request.remote or ""
+        with contextlib.suppress(ValueError):
+            if ipaddress.ip_address(ip).is_loopback:
+                return True
+        return self.is_member_address(ip)
+
+    def _needed_exports(self) -> list[str]:
+        """While this node coordinates: the exports every member should hold (running, fallback)."""
+        sv = self.services
+        return sv.needed_exports() if sv is not None else []
+
+    def _heard_peers(self) -> list[HeardPeer]:
+        """Live peers with their latest beats, the coordinator first."""
+        e = self.elector
+        if e is None:
+            return []
+        now, leader = time.monotonic(), e.leader()
+        out = [
+            HeardPeer(p.node, f"{p.addr[0]}:{p.beat.port}", p.beat)
+            for p in e.peers.values()
+            if p.beat is not None and now - p.last_heard < e.timing.peer_timeout_s
+        ]
+        return sorted(out, key=lambda h: h.node != leader)
 
     def _members(self) -> list[Any]:
         from coordinator.planner import NodeOffer
@@ -354,10 +391,13 @@ class AgentDaemon:
         me = self.me
         here = f"{self._my_ip()}:{me.port}"
         mem = min(me.mem_free(), me.mem_total)
+        serving, holds = self.host.report(), me.exports
         out = [
-            Member(NodeOffer(me.node, o.mem_free, max(o.score, 1.0), me.state, o.name), here, me.score > 0)
+            Member(
+                NodeOffer(me.node, o.mem_free, max(o.score, 1.0), me.state, o.name), here, me.score > 0, serving, holds
+            )
             for o in me.device_offers(mem)
-        ] or [Member(NodeOffer(me.node, mem, max(me.score, 1.0), me.state), here, me.score > 0)]
+        ] or [Member(NodeOffer(me.node, mem, max(me.score, 1.0), me.state), here, me.score > 0, serving, holds)]
         now = time.monotonic()
         for p in e.peers.values():
             b = p.beat
@@ -366,7 +406,7 @@ class AgentDaemon:
             there = f"{p.addr[0]}:{b.port}"
             offers = [NodeOffer(p.node, o.mem_free, max(o.score, 1.0), b.state, o.name) for o in b.offers]
             for offer in offers or [NodeOffer(p.node, b.mem_free, max(b.score, 1.0), b.state)]:
-                out.append(Member(offer, there, b.score > 0))
+                out.append(Member(offer, there, b.score > 0, b.serving, b.exports))
         return out
 
     def node_infos(self) -> list[NodeInfo]:
@@ -495,6 +535,7 @@ class AgentDaemon:
             ],
             "capacity": self.capacity,
             "stage": self.host.status(),
+            "exports": self.copies.status(),
             "log_dir": str(log_dir()),
             "config_file": str(self.config_path) if self.config_path else None,
             "started": self.started,

@@ -36,7 +36,8 @@ from agent.election import (
     yields_to,
 )
 from agent.identity import TermStore
-from agent.protocol import Ack, Beat, DeviceOffer, Message, Vote, VoteRequest
+from agent.protocol import Ack, Beat, DeviceOffer, Message, StageReport, Vote, VoteRequest
+from agent.protocol.control import MAX_HELD
 from agent.security.datagrams import Datagrams, Plain, Receiver, Refused
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,9 @@ class LocalNode:
     # each device it offers (capacity probe); a shared-memory device's mem_free is replaced by the
     # node's fresh figure in every beat, an own-memory device's (a discrete GPU) the daemon keeps current
     offers: tuple[DeviceOffer, ...] = ()
+    serving: StageReport | None = None  # the stage it serves now
+    exports: tuple[str, ...] = ()  # the exports it holds whole (content ids; the cluster's first, then newest)
+    needed: int = 0  # while it coordinates: how many of the first ``exports`` every member should copy
 
     def device_offers(self, mem_free: int) -> tuple[DeviceOffer, ...]:
         """The offers as beats carry them: shared-memory devices with ``mem_free``, the node's figure."""
@@ -282,6 +286,9 @@ class Elector:
             next_rtt_ms=self.me.next_rtt_ms,
             offers=self.me.device_offers(mem_free),
             revocation=self.datagrams.revocation_version(),
+            serving=self.me.serving,
+            exports=self.me.exports[:MAX_HELD],
+            needed=min(self.me.needed, MAX_HELD),
         )
         self._beat_sent = now if self.role is Role.COORDINATOR else None
         for addr in self._targets():

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -33,12 +34,13 @@ from aiohttp import web
 
 from agent.eventstream import HEARTBEAT_S, EventHub, HubClosed, async_serve_events
 from agent.protocol.events import MAX_EVENT_BYTES, CoordinatorLost
+from agent.resume import RESUME_HEADER, async_stream_with_resume, async_whole_with_retry
 from agent.security import transport
 from agent.security.errors import SecurityError
 
 log = logging.getLogger(__name__)
 RECHECK_S = 0.25  # how often a relay looks for a (new) coordinator
-FORWARD_HEADERS = ("Content-Type", "Authorization", "Accept")
+FORWARD_HEADERS = ("Content-Type", "Authorization", "Accept", RESUME_HEADER)
 
 
 @dataclass(frozen=True)
@@ -132,8 +134,8 @@ async def _not_node(address: str, node: str) -> str | None:
     return None
 
 
-async def _to_coordinator(request: web.Request, *, from_peer: bool) -> web.StreamResponse:
-    door = request.app[DOOR]
+async def _where(door: Door, path: str, *, from_peer: bool) -> str | web.Response:
+    """The URL of ``path`` at the coordinator, or why the request cannot go there now."""
     t = door.coordinator_target()
     if t is None or door.session is None:
         return _no_coordinator()
@@ -142,17 +144,50 @@ async def _to_coordinator(request: web.Request, *, from_peer: bool) -> web.Strea
             return _no_coordinator()
         wrong = await _not_node(t.peer, t.node)
         if wrong is not None:
-            log.warning("refused to forward %s: %s", request.path, wrong)
+            log.warning("refused to forward %s: %s", path, wrong)
             return api_error(502, wrong, "wrong_coordinator")
-        return await async_forward(request, transport.current().url(t.peer, str(request.rel_url)), door.session)
+        return transport.current().url(t.peer, path)
     if t.api is None:
         return api_error(503, t.not_ready or "the coordinator has no model to serve", "not_serving")
-    return await async_forward(request, f"{t.api}{request.rel_url}", door.session)
+    return f"{t.api}{path}"
+
+
+async def _to_coordinator(request: web.Request, *, from_peer: bool) -> web.StreamResponse:
+    door = request.app[DOOR]
+    url = await _where(door, str(request.rel_url), from_peer=from_peer)
+    if isinstance(url, web.Response):
+        return url
+    assert door.session is not None
+    return await async_forward(request, url, door.session)
 
 
 async def async_local_api(request: web.Request) -> web.StreamResponse:
-    """``/v1/models`` and ``/v1/chat/completions`` on the local status API."""
-    return await _to_coordinator(request, from_peer=False)
+    """``/v1/models`` and ``/v1/chat/completions`` on the local status API. A chat answer outlives
+    its coordinator: it goes on with the next one (:mod:`agent.resume`)."""
+    if request.method != "POST" or request.path != "/v1/chat/completions":
+        return await _to_coordinator(request, from_peer=False)
+    door = request.app[DOOR]
+    raw = await request.read()
+    headers = {k: request.headers[k] for k in FORWARD_HEADERS if k in request.headers}
+    if request.remote:
+        headers["X-Forwarded-For"] = request.remote
+    path = str(request.rel_url)
+
+    async def upstream(body: bytes, hdrs: dict[str, str]) -> aiohttp.ClientResponse | web.Response:
+        url = await _where(door, path, from_peer=False)
+        if isinstance(url, web.Response):
+            return url
+        assert door.session is not None
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=None)
+        return await door.session.post(url, data=body, headers=hdrs, timeout=timeout)
+
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and body.get("stream") is True:
+        return await async_stream_with_resume(request, body, headers, upstream)
+    return await async_whole_with_retry(raw, headers, upstream)
 
 
 async def async_member_api(request: web.Request) -> web.StreamResponse:

@@ -23,9 +23,11 @@ import numpy as np
 import psutil
 
 from agent.compute import ComputeThread
+from agent.export.held import HeldExports
 from agent.hashing import sha256_file
 from agent.paths import cache_dir
-from agent.protocol import Assign, Assigned, Fwd, Head, HeadTop, Ids, Message, ProtocolError, tensor
+from agent.protocol import Assign, Assigned, Fwd, Head, HeadTop, Ids, Message, ProtocolError, StageReport, tensor
+from agent.protocol.control import EXPORT_RE
 from agent.runtime.device import DeviceError, assigned_device, choose_device
 from agent.runtime.sampling import Sampling, choose_token
 from agent.runtime.stage import Stage, StageError, Stream
@@ -103,6 +105,8 @@ class StageHost:
         self.compute_s = 0.0  # time spent in inference (on the compute thread)
         self.recent_ms: collections.deque[float] = collections.deque(maxlen=256)
         self.fetching: dict[str, Any] | None = None  # the stage file being downloaded, with progress
+        self.held: HeldExports | None = None  # exports this node holds whole: their stages need no download
+        self.reused = 0  # assignments of the stage already compiled here (a new coordinator took over)
 
     # -- assignment --------------------------------------------------------------------------
     async def async_assign(self, msg: Assign) -> Assigned:
@@ -114,11 +118,16 @@ class StageHost:
             await self.compute.async_run(choose_device, device)
         except DeviceError as e:
             raise ProtocolError("bad_device", str(e)) from None
-        stage_dir = await self._artifacts(msg)
-        try:
-            stage = await self.compute.async_run(self._compile, stage_dir, msg.exact, device)
-        except DeviceError as e:
-            raise ProtocolError("bad_device", str(e)) from None
+        stage = self._same_stage(msg)
+        if stage is None:
+            stage_dir = await self._artifacts(msg)
+            try:
+                stage = await self.compute.async_run(self._compile, stage_dir, msg.exact, device)
+            except DeviceError as e:
+                raise ProtocolError("bad_device", str(e)) from None
+        else:
+            self.reused += 1
+            log.info("stage %d of term %d: the same files as before, kept compiled", msg.stage, msg.term)
         if stage.index != msg.stage or stage.count != msg.stages:
             raise ProtocolError("bad_artifact", f"artifacts are stage {stage.index}/{stage.count}, not {msg.stage}")
         if msg.term < self.term_seen:  # a newer coordinator assigned meanwhile
@@ -128,6 +137,27 @@ class StageHost:
         # swapped on the compute thread, between two frames: none sees half a swap
         await self.compute.async_run(self._install, stage, msg)
         return Assigned(term=msg.term, stage=msg.stage, device=stage.device, compile_s=time.monotonic() - t0)
+
+    def _same_stage(self, msg: Assign) -> Stage | None:
+        """The stage compiled here already, when ``msg`` assigns the same files the same way (a newly
+        elected coordinator adopting the running plan): it is kept, only its streams are dropped."""
+        a, s = self.assignment, self.stage
+        if a is None or s is None or a.manifest_sha256 != msg.manifest_sha256 or a.exact != msg.exact:
+            return None
+        if (a.stage, a.stages) != (msg.stage, msg.stages) or msg.device not in (None, s.device):
+            return None
+        return s
+
+    def report(self) -> StageReport | None:
+        """The stage served now, as beats report it."""
+        a, s = self.assignment, self.stage
+        if a is None or s is None:
+            return None
+        model = s.manifest.get("model", {}).get("name")
+        if not isinstance(model, str) or not model or not EXPORT_RE.match(a.export_id):
+            return None
+        start, end = s.layers
+        return StageReport(model[:128], a.export_id, a.stage, a.stages, start, end, a.term)
 
     def _install(self, stage: Stage, msg: Assign) -> None:
         self.stage, self.assignment = stage, msg
@@ -147,6 +177,10 @@ class StageHost:
         dest = cache_dir() / "artifacts" / msg.manifest_sha256[:32]
         if (dest / "manifest.json").is_file():
             return dest
+        if self.held is not None:  # a copy of the whole export is here: no download
+            here = self.held.stage_dir(msg.manifest_sha256)
+            if here is not None and await asyncio.to_thread(sha256_file, here / "manifest.json") == msg.manifest_sha256:
+                return here
         dest.parent.mkdir(parents=True, exist_ok=True)
         # a fetch cut short (agent restarted, link lost) resumes from what is already here
         part = dest.parent / f".partial-{msg.manifest_sha256[:32]}"
@@ -439,6 +473,9 @@ class StageHost:
             "step_ms_p50": round(statistics.median(self.recent_ms), 3) if self.recent_ms else None,
             "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
             "fetching": self.fetching,
+            "export": None if a is None else a.export_id,
+            "term": None if a is None else a.term,
+            "reused": self.reused,
             "next_rtt_ms": None if self.next_rtt_ms is None else round(self.next_rtt_ms, 3),
             "paused": self.paused,
             "last_step_at": self.last_step_at,

@@ -24,6 +24,7 @@ from agent.eventstream import EventHub, async_serve_events
 from agent.gateway import json_errors
 from agent.protocol import SamplingSpec
 from agent.protocol.events import StreamFinished, StreamStarted
+from agent.resume import RESUME_HEADER
 from agent.runtime.tokenizer import ChatTokenizer
 from coordinator.limits import Limiter, Refusal, client_key
 from coordinator.pipeline import PipelineError
@@ -164,7 +165,10 @@ def parse_chat_request(body: Any, st: ApiState) -> tuple[list[dict[str, str]], d
         seed = secrets.randbelow(2**31)
     if isinstance(seed, bool) or not isinstance(seed, int) or not (0 <= seed < 2**63):
         raise BadRequest("seed must be a non-negative integer")
+    cont, sent = _continuation(body.get("lakeshard"), max_tokens)
     opts = {
+        "continue": cont,  # token ids already generated (a gateway going on after a lost coordinator)
+        "sent": sent,  # characters of them the client has already been sent
         "max_tokens": max_tokens,
         "temperature": _num(body, "temperature", 1.0, 0.0, 2.0),
         "top_p": _num(body, "top_p", 1.0, 1e-6, 1.0),
@@ -173,6 +177,26 @@ def parse_chat_request(body: Any, st: ApiState) -> tuple[list[dict[str, str]], d
         "stream": bool(body.get("stream", False)),
     }
     return clean, opts
+
+
+MAX_CONTINUE = 1 << 17
+
+
+def _continuation(v: Any, max_tokens: int) -> tuple[tuple[int, ...], int]:
+    """``lakeshard.continue`` (ids generated so far) and ``lakeshard.sent`` (characters the client
+    has), which an agent's gateway sends to go on with an answer whose coordinator was lost."""
+    if v is None:
+        return (), 0
+    if not isinstance(v, dict):
+        raise BadRequest("lakeshard must be an object")
+    ids, sent = v.get("continue", []), v.get("sent", 0)
+    if not isinstance(ids, list) or len(ids) > min(max_tokens, MAX_CONTINUE):
+        raise BadRequest("lakeshard.continue must be a list of at most max_tokens token ids")
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 1 << 31 for i in ids):
+        raise BadRequest("lakeshard.continue must hold token ids")
+    if isinstance(sent, bool) or not isinstance(sent, int) or sent < 0:
+        raise BadRequest("lakeshard.sent must be a count of characters")
+    return tuple(ids), sent
 
 
 class StopMatcher:
@@ -217,6 +241,12 @@ class Tally:
     last: float | None = None
     tokens: int = 0
     spec: SpecCounters = field(default_factory=SpecCounters)  # this answer's speculation
+    ids: list[int] = field(default_factory=list)  # the tokens generated, in order
+    continued: int = 0  # tokens a lost coordinator generated before this one went on
+
+    @property
+    def completion(self) -> int:
+        return self.continued + self.tokens
 
     def token(self) -> None:
         now = time.perf_counter()
@@ -240,7 +270,7 @@ class Tally:
         return {
             "ttft_s": self.ttft_s,
             "tok_s": self.tok_s,
-            "completion_tokens": self.tokens,
+            "completion_tokens": self.completion,
             "nodes": nodes,
             "speculation": spec,  # None: this answer was decoded plainly
         }
@@ -250,21 +280,29 @@ async def _tokens(
     st: ApiState, ids: list[int], opts: dict[str, Any], tally: Tally
 ) -> AsyncGenerator[tuple[str, str | None], None]:
     """(text delta, finish reason once at the end)."""
+    cont: tuple[int, ...] = opts.get("continue", ())
     req = GenRequest(
-        prompt=tuple(ids),
-        max_tokens=opts["max_tokens"],
+        prompt=(*ids, *cont),
+        max_tokens=opts["max_tokens"] - len(cont),
         sampling=SamplingSpec(opts["temperature"], opts["top_p"], opts["seed"]),
         stop_ids=st.tokenizer.stop_ids,
         spec_counters=tally.spec,
     )
     dec = st.tokenizer.stream()
     stop = StopMatcher(opts["stop"])
-    n = 0
+    n = len(cont)
+    for tok in cont:  # the text so far, as the lost coordinator had it; the client has ``sent`` of it
+        stop.push(dec.push(tok))
+    stop.sent = min(opts.get("sent", 0), len(stop.text))
+    if stop.stopped or n >= opts["max_tokens"] or (cont and cont[-1] in req.stop_ids):
+        yield "", "stop" if n < opts["max_tokens"] else "length"
+        return
     gen = st.scheduler.async_generate(req)
     try:
         async for tok in gen:
             n += 1
             tally.token()
+            tally.ids.append(tok)
             piece = stop.push(dec.push(tok))
             if piece:
                 yield piece, None
@@ -313,7 +351,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     so = body.get("stream_options")
     include_usage = isinstance(so, dict) and so.get("include_usage") is True
     cid = f"chatcmpl-{secrets.token_hex(12)}"
-    tally = Tally(cid)
+    tally = Tally(cid, continued=len(opts["continue"]))
     base = {"id": cid, "created": int(time.time()), "model": st.model}
     if st.events is not None:
         st.events.publish(StreamStarted(time.time(), cid, len(ids), opts["max_tokens"]))
@@ -361,7 +399,7 @@ async def _whole(
         **base,
         "object": "chat.completion",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)}, "finish_reason": finish}],
-        "usage": _usage(len(ids), tally.tokens),
+        "usage": _usage(len(ids), tally.completion),
         "lakeshard": tally.report(st.served_by()),
     }
     return web.json_response(body), "done"
@@ -378,14 +416,24 @@ async def _stream(
 ) -> tuple[web.StreamResponse, str]:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
+    # an agent's gateway asks for the ids behind each chunk and the seed: to go on with this answer
+    # on the next coordinator if this one is lost (see agent/resume.py)
+    resume = request.headers.get(RESUME_HEADER) == "1"
+    told = 0  # ids told so far
 
     async def send(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> None:
+        nonlocal told
         chunk = {
             **base,
             "object": "chat.completion.chunk",
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
             **extra,
         }
+        if resume:
+            lk = chunk.setdefault("lakeshard", {})
+            lk["ids"], told = tally.ids[told:], len(tally.ids)
+            if delta.get("role"):
+                lk["seed"] = opts["seed"]
         await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
 
     try:
@@ -397,7 +445,12 @@ async def _stream(
                 if fin:
                     await send({}, fin, lakeshard=tally.report(st.served_by()))
         if include_usage:
-            usage = {**base, "object": "chat.completion.chunk", "choices": [], "usage": _usage(len(ids), tally.tokens)}
+            usage = {
+                **base,
+                "object": "chat.completion.chunk",
+                "choices": [],
+                "usage": _usage(len(ids), tally.completion),
+            }
             await resp.write(f"data: {json.dumps(usage)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
     except PipelineError as e:

@@ -119,10 +119,12 @@ class Pipeline:
             ws = await self._connect(p.node, timeout)
             self._control.append(ws)
             self._watchers.append(asyncio.create_task(self._watch_control(i, p.node, ws)))
-        # Assign the last stage first: each stage connects to its next hop when assigned.
+        # Every stage at once (their downloads and compiles overlap); each connects to its next
+        # hop, whose agent listens whether it has a stage yet or not.
         self.assigned = [None] * n  # type: ignore[list-item]
         tr = transport.current()
-        for i in reversed(range(n)):
+        loop = asyncio.get_running_loop()
+        for i in range(n):
             p = self.placements[i]
             nxt = tr.url(self.placements[i + 1].node, "/ws", ws=True) if i + 1 < n else self.return_url
             msg = Assign(
@@ -141,9 +143,11 @@ class Pipeline:
                 loop_hop=tr.url(self.placements[0].node, "/ws", ws=True) if i == n - 1 and n > 1 else None,
                 device=p.device,
             )
-            reply: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-            self._replies[i] = reply
+            self._replies[i] = loop.create_future()
             await self._control[i].send_bytes(encode(msg))
+        for i in range(n):
+            p, reply = self.placements[i], self._replies[i]
+            assert reply is not None
             got, _ = decode(await asyncio.wait_for(reply, timeout))
             if isinstance(got, Error):
                 raise PipelineError(f"agent {p.node} refused stage {i}: {got.message}", got.code)

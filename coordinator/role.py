@@ -14,24 +14,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import aiohttp
 
 from agent.election import data_term
 from agent.eventstream import EventHub
 from agent.export.exporter import ExportOptions
+from agent.export.held import FetchError, HeldExports, async_fetch
 from agent.models.registry import REGISTRY
-from agent.models.store import ModelStore
-from agent.protocol.events import ClusterView, NodeInfo
+from agent.models.store import LocalModel, ModelStore
+from agent.protocol import StageReport
+from agent.protocol.events import ClusterView, NodeInfo, Takeover
+from agent.security import transport
+from agent.security.errors import SecurityError
 from coordinator.limits import TOTAL_INFLIGHT, Limits
-from coordinator.planner import NodeOffer, Plan, PlanError, footprint, plan_pipeline
+from coordinator.planner import NodeOffer, Plan, PlanError, StagePlan, footprint, plan_pipeline
 from coordinator.serve import Coordinator, ServeConfig
+from coordinator.takeover import Adoption, Held, Running, adopt
 
 log = logging.getLogger(__name__)
 SETTLE_S = 2.0  # after winning, let late peers' beats arrive before planning
+ADOPT_SETTLE_S = 0.3  # taking over a running plan: the beats heard during the election are fresh
 PROBE_WAIT_S = 20.0  # and give freshly started peers time to measure their speed
 WATCH_S = 2.0  # how often membership is compared with the plan
 
@@ -41,6 +51,8 @@ class Member:
     offer: NodeOffer
     address: str  # host:port of its stage server
     measured: bool = True  # its speed comes from its capacity probe (not a placeholder)
+    serving: StageReport | None = None  # the stage it runs now (its beats say)
+    holds: tuple[str, ...] = ()  # the exports it holds whole
 
 
 class CoordinatorRole:
@@ -60,7 +72,9 @@ class CoordinatorRole:
         nodes: Callable[[], list[NodeInfo]] = lambda: [],  # the same, as node maps show them
         cluster: str = "default",
         api_limits: Limits | None = None,  # per client (None: only the cap on requests in flight)
+        needed_before: Callable[[], tuple[str, ...]] = tuple,  # the exports the last coordinator needed
     ) -> None:
+        self.needed_before = needed_before
         self.model_ref, self.weights, self.api_port = model, weights, api_port
         self.ring_port = ring_port
         self.streams, self.exact, self.term = streams, exact, term
@@ -78,6 +92,8 @@ class CoordinatorRole:
         self.nodes = nodes
         self.cluster = cluster
         self.hub = EventHub(self.cluster_view)
+        self.adopted: dict[str, Any] | None = None  # a running plan taken over: what was kept and moved
+        self._pulling: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self.hub.start()
@@ -87,21 +103,15 @@ class CoordinatorRole:
     async def _run(self) -> None:
         ref = self.model_ref
         assert ref is not None
+        t0 = time.monotonic()
         try:
-            await asyncio.sleep(SETTLE_S)
-            t0 = time.monotonic()
-            while time.monotonic() - t0 < PROBE_WAIT_S and not all(m.measured for m in self.members()):
-                await asyncio.sleep(0.25)
-            loop = asyncio.get_running_loop()
-            model = await loop.run_in_executor(None, lambda: ModelStore().resolve(ref, quiet=True))
-            spec = REGISTRY.get(model.name)
-            weights = self.weights or (spec.default_weights if spec else "int4")
-            members: list[Member] = self.members()
-            fp = footprint(model.config(), weights, streams=self.streams)
-            self.plan = plan_pipeline(
-                fp, [m.offer for m in members], streams=self.streams, min_nodes=self.min_nodes, home=self._home(members)
-            )
+            taken = await self._adopt(ref)
+            if taken is None:
+                model, weights, fp, members = await self._plan(ref)
+            else:
+                model, weights, fp, members, adoption = taken
             self.addresses = {m.offer.node: m.address for m in members}
+            assert self.plan is not None
             nodes = [self.addresses[n] for n in self.plan.nodes]
             log.info("plan: %s", _describe(self.plan))
             self.state = "assigning"
@@ -139,12 +149,91 @@ class CoordinatorRole:
                 self.coordinator.api_url,
                 self.api_limits.describe(),
             )
+            if taken is not None:
+                seconds = round(time.monotonic() - t0, 3)
+                me = self._home(members) or ""
+                exported = self.coordinator.exported > 0
+                self.adopted = {"kept": list(adoption.kept), "moved": list(adoption.moved), "seconds": seconds}
+                ev = Takeover(time.time(), me, self.term, len(adoption.kept), len(adoption.moved), seconds, exported)
+                self.hub.publish(ev)
+                log.info(
+                    "took over the running plan in %.2f s: kept %s, moved %s", seconds, adoption.kept, adoption.moved
+                )
+                if model.source == "export":  # to export other splits later, the weights are needed
+                    self._pulling = asyncio.create_task(self._pull_weights(ref))
             await self._watch(fp, _membership(members))
         except asyncio.CancelledError:
             raise
         except Exception as e:
             self.state, self.error = "failed", str(e)
             log.error("cannot form the pipeline: %s", e)
+
+    async def _plan(self, ref: str) -> tuple[LocalModel, str, Any, list[Member]]:
+        """Plan afresh: wait for the nodes' beats and speeds, resolve (or pull) the model, split it."""
+        await asyncio.sleep(SETTLE_S)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < PROBE_WAIT_S and not all(m.measured for m in self.members()):
+            await asyncio.sleep(0.25)
+        loop = asyncio.get_running_loop()
+        model = await loop.run_in_executor(None, lambda: ModelStore().resolve(ref, quiet=True))
+        weights = self._weights(model.name)
+        members: list[Member] = self.members()
+        fp = footprint(model.config(), weights, streams=self.streams)
+        self.plan = plan_pipeline(
+            fp, [m.offer for m in members], streams=self.streams, min_nodes=self.min_nodes, home=self._home(members)
+        )
+        return model, weights, fp, members
+
+    def _weights(self, name: str) -> str:
+        spec = REGISTRY.get(name)
+        return self.weights or (spec.default_weights if spec else "int4")
+
+    async def _adopt(self, ref: str) -> tuple[LocalModel, str, Any, list[Member], Adoption] | None:
+        """Take over what runs already, or refit the nodes left onto an export held here (see
+        :mod:`coordinator.takeover`); None when the model must be planned and exported afresh."""
+        await asyncio.sleep(ADOPT_SETTLE_S)
+        members: list[Member] = self.members()
+        running: dict[str, Running] = {}
+        for m in members:
+            o = m.offer
+            running.setdefault(o.node, Running(o.node, o.state, m.serving, m.holds, o.speed))
+        weights = self._weights(ref)
+        before = set(self.needed_before())  # refit only onto what the last coordinator ran or prepared
+        held = [h for h in await asyncio.to_thread(_held_exports, ref, weights) if h.export in before]
+        a = adopt(list(running.values()), ref, self._home(members), held)
+        if a is None:
+            return None
+        addresses = {m.offer.node: m.address for m in members}
+        try:
+            d = await copy_export(a.export, [addresses[n] for n in a.sources])
+            meta = json.loads((d / "export.json").read_text())
+            ranges = [(int(x), int(y)) for x, y in meta["ranges"]]
+        except (FetchError, OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("cannot take over the running plan (its export is not at hand: %s); planning afresh", e)
+            return None
+        if meta.get("options", {}).get("weights") != weights or len(ranges) != len(a.nodes):
+            log.info("the running plan serves other weights or stages than wanted: planning afresh")
+            return None
+        if any(ranges[i] != r for i, r in a.reported):
+            log.warning("the running stages report other layers than their export: planning afresh")
+            return None
+        model = await asyncio.to_thread(_model_for, d, meta)
+        fp = footprint(model.config(), weights, streams=self.streams)
+        stages = tuple(StagePlan(n, lo, hi, 0, 0.0) for n, (lo, hi) in zip(a.nodes, ranges, strict=True))
+        self.plan = Plan(stages, 0.0, 0.0)
+        return model, weights, fp, members, a
+
+    async def _pull_weights(self, ref: str) -> None:
+        """Adopted from an export alone: fetch the model's weights now, for the re-plans to come."""
+        if ref not in REGISTRY:
+            return
+        try:
+            model = await asyncio.to_thread(lambda: ModelStore().resolve(ref, quiet=True))
+        except Exception as e:
+            log.warning("cannot pull %s (a re-plan onto other nodes would need it): %s", ref, e)
+            return
+        if self.coordinator is not None:
+            self.coordinator.cfg.model = model
 
     async def _watch(self, fp: Any, seen: frozenset[tuple[str, str]]) -> None:
         """Re-plan when nodes join, leave or change throttle state (between steps; see async_replan)."""
@@ -197,6 +286,11 @@ class CoordinatorRole:
     def _home(self, members: list[Member]) -> str | None:
         """This machine's node id, when its agent is among the members."""
         return next((m.offer.node for m in members if m.address == self.my_address), None)
+
+    def needed_exports(self) -> list[str]:
+        """The exports every member should hold: the one running, and the split for one node fewer."""
+        c = self.coordinator
+        return [e for e in (c.export_id, c.fallback_id) if e] if c is not None else []
 
     def api_base(self) -> str | None:
         """The OpenAI-compatible API's base URL (without /v1), once it answers."""
@@ -272,18 +366,63 @@ class CoordinatorRole:
             "recoveries": list(c.recoveries) if c is not None else [],
             "replans": list(c.replans) if c is not None else [],
             "speculation": _speculation(c),
+            "adopted": self.adopted,
+            "needed_exports": self.needed_exports(),
+            "exported": c.exported if c is not None else 0,
             "error": self.error,
         }
 
     async def async_stop(self) -> None:
         await self.hub.async_stop()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+        for task in (self._task, self._pulling):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         if self.coordinator is not None:
             await self.coordinator.async_stop()
             self.coordinator = None
+
+
+async def copy_export(export: str, sources: list[str]) -> Path:
+    """The folder of ``export`` on this node: held already, or copied from one of ``sources``."""
+    held = HeldExports()
+    h = (await asyncio.to_thread(held.scan, True)).get(export)
+    if h is not None:
+        return h.dir
+    tr = transport.current()
+    errors = []
+    for src in sources:
+        try:
+            async with tr.session() as s:
+                h = await async_fetch(s, tr.url(src, "/v1/exports"), export, held, {})
+            return h.dir
+        except (FetchError, aiohttp.ClientError, TimeoutError, SecurityError, ValueError) as e:
+            errors.append(f"{src}: {e}")
+    raise FetchError("; ".join(errors) or "no node holds it")
+
+
+def _held_exports(model: str, weights: str) -> list[Held]:
+    """The complete exports of ``model`` with ``weights`` on this node's disk."""
+    out = []
+    for h in HeldExports().scan(True).values():
+        try:
+            meta = json.loads((h.dir / "export.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if meta.get("model", {}).get("name") == model and meta.get("options", {}).get("weights") == weights:
+            out.append(Held(h.id, len(h.stage_manifests)))
+    return out
+
+
+def _model_for(d: Path, meta: dict[str, Any]) -> LocalModel:
+    """The store's model of this export when this node has it, else the model as the export
+    describes it (config, tokenizer: enough to serve the export, not to export it again)."""
+    info = meta["model"]
+    have = ModelStore().get(info["name"])
+    if have is not None and have.sha256 == info["sha256"]:
+        return have
+    return LocalModel.from_export(d)
 
 
 def _describe(plan: Plan) -> str:

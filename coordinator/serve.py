@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
 import signal
@@ -26,7 +25,8 @@ from aiohttp import web
 
 from agent import aio
 from agent.eventstream import EventHub
-from agent.export.exporter import ExportOptions, ExportResult, export_model
+from agent.export.exporter import ExportOptions, ExportResult, cached_export, export_model
+from agent.export.held import export_content_id
 from agent.link import HEARTBEAT_S
 from agent.models.store import LocalModel
 from agent.protocol import MAX_FRAME
@@ -170,6 +170,9 @@ class Coordinator:
         self.replans: list[dict[str, object]] = []
         self._export_lock = asyncio.Lock()  # one export at a time (the fallback and a recovery share folders)
         self.calibration = CalibrationStore()
+        self.exported = 0  # exports its plans had to make (not found on disk; the fallback's not counted)
+        self.export_id: str | None = None  # the running export's content id
+        self.fallback_id: str | None = None  # the split for one node fewer, once prepared
         self.rebalances: list[dict[str, object]] = []
         self.node_ids: dict[str, str] = {}  # agent address -> node id, where the caller knows them
         self.node_devices: dict[str, str] = {}  # agent address -> the device its stage runs on (the planner's)
@@ -265,12 +268,15 @@ class Coordinator:
         ranges = plan_ranges(cfg.model, len(nodes), split, self.calibration.get(self._calib_key()))
         loop = asyncio.get_running_loop()
         async with self._export_lock:
+            if cached_export(cfg.model, ranges, cfg.opts) is None:
+                self.exported += 1  # (a copy of the export on this disk is used as it is)
             export = await loop.run_in_executor(
                 None, lambda: export_model(cfg.model, ranges, cfg.opts, quiet=cfg.quiet)
             )
         self.export = export
-        export_id = hashlib.sha256(str(export.dir).encode()).hexdigest()[:16]
+        export_id = await loop.run_in_executor(None, export_content_id, export)
         self._exports[export_id] = export.stage_dirs()
+        self.export_id = export_id
         pipeline = Pipeline(
             [
                 StagePlacement(n, d, self.node_devices.get(n) or None)
@@ -366,10 +372,10 @@ class Coordinator:
         cfg = self.cfg
         try:
             ranges = plan_ranges(cfg.model, n, None, self.calibration.get(self._calib_key()))
+            loop = asyncio.get_running_loop()
             async with self._export_lock:
-                await asyncio.get_running_loop().run_in_executor(
-                    None, lambda: export_model(cfg.model, ranges, cfg.opts, quiet=True)
-                )
+                done = await loop.run_in_executor(None, lambda: export_model(cfg.model, ranges, cfg.opts, quiet=True))
+            self.fallback_id = await loop.run_in_executor(None, export_content_id, done)
         except Exception as e:  # only a head start: recovery exports on demand otherwise
             log.info("could not prepare the %d-stage fallback: %s", n, e)
 

@@ -93,6 +93,12 @@ def load_export(d: Path) -> ExportResult | None:
     return ExportResult(d, mans)
 
 
+def cached_export(model: LocalModel, ranges: list[tuple[int, int]], opts: ExportOptions) -> ExportResult | None:
+    """The complete export of this split at its default place, if one is there (no export needed)."""
+    have = load_export(default_export_dir(model, ranges, opts))
+    return have if have is not None and _matches(have, model, ranges, opts) else None
+
+
 def export_model(
     model: LocalModel,
     ranges: list[tuple[int, int]],

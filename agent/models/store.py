@@ -82,6 +82,23 @@ class LocalModel:
         )
 
     @staticmethod
+    def from_export(d: Path) -> LocalModel:
+        """The model as an export of it describes it (``export.json``, ``config.json``, the tokenizer):
+        enough to serve that export, not to export it again (no weights here)."""
+        info = json.loads((d / "export.json").read_text())["model"]
+        cfg = json.loads((d / "config.json").read_text())
+        return LocalModel(
+            name=info["name"],
+            dir=d,
+            checkpoint=d / "no-weights-in-an-export",
+            sha256=info["sha256"],
+            source="export",
+            model_type=info["model_type"],
+            num_layers=int(info["layers"]),
+            hidden_size=int(cfg["hidden_size"]),
+        )
+
+    @staticmethod
     def load(d: Path) -> LocalModel:
         meta = json.loads((d / "model.json").read_text())
         ckpt = Path(meta["checkpoint"])

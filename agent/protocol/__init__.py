@@ -20,7 +20,7 @@ from agent.protocol.codec import (
     decode,
     encode,
 )
-from agent.protocol.control import Ack, Beat, DeviceOffer, Sealed, Vote, VoteRequest
+from agent.protocol.control import Ack, Beat, DeviceOffer, Sealed, StageReport, Vote, VoteRequest
 from agent.protocol.data import Assign, Assigned, Close, Error, Fwd, Ids, Passed, SamplingSpec, tensor
 from agent.protocol.head import Head, HeadTop
 from agent.protocol.probe import Ping, Pong
@@ -51,6 +51,7 @@ __all__ = [
     "ProtocolError",
     "SamplingSpec",
     "Sealed",
+    "StageReport",
     "Vote",
     "VoteRequest",
     "decode",

@@ -86,6 +86,57 @@ class DeviceOffer:
         )
 
 
+EXPORT_RE = re.compile(r"^[0-9a-f]{32}$")
+MAX_HELD = 4  # exports one beat says its node holds whole
+MAX_LAYERS = 4096
+
+
+def export_field(v: Any, name: str) -> str:
+    """An export's content id (see :func:`agent.export.held.content_id`): 32 lower-case hex digits."""
+    if not isinstance(v, str) or not EXPORT_RE.match(v):
+        raise ProtocolError("bad_field", f"{name} must be an export id of 32 lower-case hex digits")
+    return v
+
+
+@dataclass(frozen=True)
+class StageReport:
+    """The stage a node serves (a part of :class:`Beat`): what a newly elected coordinator adopts
+    instead of planning and exporting again (see :mod:`coordinator.takeover`)."""
+
+    model: str  # the model's name, as the export's manifest says
+    export: str  # the export's content id
+    stage: int
+    stages: int
+    start: int  # layers start..end-1
+    end: int
+    term: int  # the (data) term it was assigned in
+
+    def wire(self) -> list[Any]:
+        return [self.model, self.export, self.stage, self.stages, self.start, self.end, self.term]
+
+    @classmethod
+    def parse(cls, v: Any, name: str = "serving") -> StageReport:
+        if not isinstance(v, list | tuple) or len(v) != 7:
+            raise ProtocolError("bad_field", f"{name} must be [model, export, stage, stages, start, end, term]")
+        stages = int_field(v[3], f"{name} stages", 1, MAX_LAYERS)
+        end = int_field(v[5], f"{name} end", 1, MAX_LAYERS)
+        return StageReport(
+            model=str_field(v[0], f"{name} model", 128),
+            export=export_field(v[1], f"{name} export"),
+            stage=int_field(v[2], f"{name} stage", 0, stages - 1),
+            stages=stages,
+            start=int_field(v[4], f"{name} start", 0, end - 1),
+            end=end,
+            term=int_field(v[6], f"{name} term"),
+        )
+
+
+def held_field(v: Any, name: str) -> tuple[str, ...]:
+    if not isinstance(v, list | tuple) or len(v) > MAX_HELD:
+        raise ProtocolError("bad_field", f"{name} must be a list of at most {MAX_HELD} export ids")
+    return tuple(export_field(x, name) for x in v)
+
+
 def offers_field(v: Any, name: str) -> tuple[DeviceOffer, ...]:
     if not isinstance(v, list | tuple) or len(v) > MAX_OFFERS:
         raise ProtocolError("bad_field", f"{name} must be a list of at most {MAX_OFFERS} device offers")
@@ -126,11 +177,18 @@ class Beat(Message):
     # the version of the revocation list the sender holds (-1: none, or a plaintext node): members
     # that hold an older one fetch the sender's (see agent.revocation_gossip)
     revocation: int = -1
+    # the stage it serves now (None: none), and the exports it holds whole (newest first): a new
+    # coordinator keeps running stages where they are and moves a lost one to a node that holds it
+    serving: StageReport | None = None
+    exports: tuple[str, ...] = ()
+    needed: int = 0  # a coordinator's: the first ``needed`` exports are the cluster's (running, fallback): copy them
 
     def header(self) -> dict[str, Any]:
         d = super().header()
         d["devices"] = list(self.devices)
         d["offers"] = [o.wire() for o in self.offers]
+        d["serving"] = None if self.serving is None else self.serving.wire()
+        d["exports"] = list(self.exports)
         return d
 
     @classmethod
@@ -158,6 +216,9 @@ class Beat(Message):
             next_rtt_ms=None if h.get("next_rtt_ms") is None else float_field(h["next_rtt_ms"], "next_rtt_ms", 0, 1e6),
             offers=offers_field(h.get("offers", []), "offers"),
             revocation=int_field(h.get("revocation", -1), "revocation", -1, MAX_REVOCATION),
+            serving=None if h.get("serving") is None else StageReport.parse(h["serving"]),
+            exports=held_field(h.get("exports", []), "exports"),
+            needed=int_field(h.get("needed", 0), "needed", 0, MAX_HELD),
         )
 
 

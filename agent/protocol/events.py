@@ -259,6 +259,36 @@ class Failover(Event):
 
 
 @dataclass(frozen=True)
+class Takeover(Event):
+    """A newly elected coordinator adopted the plan that was running: ``kept`` stages stayed where
+    they ran (compiled), ``moved`` lost ones went to nodes that held them; ``exported`` says whether
+    anything had to be exported again (never, when a copy of the export was at hand)."""
+
+    TYPE: ClassVar[str] = "takeover"
+    coordinator: str = ""
+    term: int = 0
+    kept: int = 0
+    moved: int = 0
+    seconds: float = 0.0  # from winning the election to serving
+    exported: bool = False
+
+    @classmethod
+    def parse(cls, d: dict[str, Any]) -> Takeover:
+        exported = d.get("exported", False)
+        if not isinstance(exported, bool):
+            raise ProtocolError("bad_field", "exported must be true or false")
+        return Takeover(
+            _at(d),
+            str_field(d.get("coordinator"), "coordinator", 300),
+            int_field(d.get("term", 0), "term"),
+            int_field(d.get("kept", 0), "kept", 0, MAX_NODES),
+            int_field(d.get("moved", 0), "moved", 0, MAX_NODES),
+            float_field(d.get("seconds", 0.0), "seconds", 0.0, 1e6),
+            exported,
+        )
+
+
+@dataclass(frozen=True)
 class CoordinatorLost(Event):
     """Said by a relay (the local agent) when the coordinator's stream broke; a new snapshot
     follows once a coordinator answers again."""
@@ -329,6 +359,7 @@ EVENTS: dict[str, type[Event]] = {
         NodeLeft,
         PlanChanged,
         Failover,
+        Takeover,
         CoordinatorLost,
         StreamStarted,
         StreamFinished,
