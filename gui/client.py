@@ -4,26 +4,43 @@ By default both are the local agent (127.0.0.1), which forwards the chat API and
 stream to the coordinator wherever it runs; a coordinator URL (and key) in the tray's
 settings points the chat and the node map at another one instead. Everything here is
 asyncio (it runs on the Qt loop through qasync) and never blocks.
+
+Every failure of the network reaches callers as one of this module's exceptions, never as
+aiohttp's own: :class:`Unreachable` (nothing answered; :class:`BadAddress` when the URL
+itself is wrong), :class:`ApiError` (the server answered with an error) and, for a streamed
+answer that had begun, :class:`Interrupted`. The windows handle those three and stay usable.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
+from aiohttp.http_exceptions import HttpProcessingError
 
 from agent.protocol.events import MAX_EVENT_BYTES, Event, parse_event
 
 TIMEOUT = aiohttp.ClientTimeout(total=10, sock_connect=3)
 # joining waits for the cluster member the token names (the agent gives it 10 s, TLS then plain)
 JOIN_TIMEOUT = aiohttp.ClientTimeout(total=45, sock_connect=3)
+# a streamed answer may pause (a long prompt's prefill, or the gateway finding a new
+# coordinator and splicing the rest in): only this long a silence ends it
+STREAM_READ_S = 600.0
+# what breaks a request: refused, reset, cut mid-body, timed out, an unusable URL or a garbled reply
+TRANSPORT_ERRORS = (aiohttp.ClientError, OSError, TimeoutError, ValueError, HttpProcessingError)
 
 
 class Unreachable(Exception):
     """Nobody answers (the agent is not running, or no coordinator is elected yet)."""
+
+
+class BadAddress(Unreachable):
+    """The coordinator URL in the settings is not one that can be asked at all."""
 
 
 class ApiError(Exception):
@@ -32,13 +49,55 @@ class ApiError(Exception):
         self.status, self.code = status, code
 
 
+class Interrupted(Exception):
+    """A streamed answer broke off after it had begun (the connection was cut, the stream
+    ended before its end, or it carried something unreadable); what came so far is kept.
+    The message is for the user; ``detail`` is the technical cause, for the log."""
+
+    def __init__(self, message: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.detail = detail
+
+
+def url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be a coordinator's address (None: it can; empty means "through the
+    local agent"). Pure, for the settings form and for a URL already stored."""
+    url = url.strip()
+    if not url:
+        return None
+    if any(c.isspace() for c in url):
+        return "it must not contain spaces"
+    try:
+        u = urlsplit(url)
+        port = u.port
+    except ValueError as e:  # "Port out of range 0-65535", "Invalid IPv6 URL", ...
+        return f"it is not a valid URL ({e})"
+    if u.scheme not in ("http", "https"):
+        return "it must start with http:// or https:// (e.g. http://10.0.0.5:8000)"
+    if not u.hostname:
+        return "it names no host (e.g. http://10.0.0.5:8000)"
+    if port == 0:
+        return "port 0 is not a port (use 1-65535)"
+    if u.query or u.fragment or url.endswith(("?", "#")):
+        return "it must not have a ?query or #fragment"
+    return None
+
+
+def base_url(url: str) -> str:
+    """The URL the API paths go under: without a trailing slash, and without the OpenAI
+    convention's ``/v1`` (``http://host:8000/v1`` is taken to mean ``http://host:8000``)."""
+    url = url.strip().rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
 @dataclass(frozen=True)
 class Chunk:
-    """A piece of a streamed answer: text, or the end (with the finish reason and figures)."""
+    """A piece of a streamed answer: text, a status note, or the end (with the finish reason and figures)."""
 
     text: str = ""
     finish: str | None = None
     stats: dict[str, Any] = field(default_factory=dict)
+    note: str | None = None  # a word from the cluster while the answer waits (e.g. "interrupted: retrying…")
 
 
 async def _raise_for(r: aiohttp.ClientResponse) -> None:
@@ -61,9 +120,24 @@ async def _raise_for(r: aiohttp.ClientResponse) -> None:
 class Client:
     def __init__(self, agent_url: str, coordinator_url: str | None = None, api_key: str | None = None) -> None:
         self.agent_url = agent_url.rstrip("/")
-        self.coordinator_url = (coordinator_url or agent_url).rstrip("/")
-        self.api_key = api_key
+        self.coordinator_url = self.agent_url
+        self.api_key: str | None = None
         self._session: aiohttp.ClientSession | None = None
+        self.point_at(coordinator_url, api_key)
+
+    def point_at(self, coordinator_url: str | None, api_key: str | None = None) -> None:
+        """Ask this coordinator from now on (None or empty: the local agent). A bad URL is
+        kept as given: each request to it then fails with :class:`BadAddress`."""
+        url = str(coordinator_url or "").strip()
+        self.coordinator_url = base_url(url) if url and not url_problem(url) else (url or self.agent_url)
+        self.api_key = api_key or None
+
+    def _coordinator(self, path: str) -> str:
+        """The coordinator's URL for ``path``, or :class:`BadAddress` when the settings' URL is wrong."""
+        why = url_problem(self.coordinator_url)
+        if why:
+            raise BadAddress(f"the coordinator URL {self.coordinator_url!r} in Settings is not valid: {why}")
+        return f"{base_url(self.coordinator_url)}{path}"
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -82,9 +156,14 @@ class Client:
         try:
             async with self.session.request(method, url, timeout=timeout, **kw) as r:
                 await _raise_for(r)
-                return await r.json(content_type=None)
-        except (aiohttp.ClientConnectionError, TimeoutError) as e:
-            raise Unreachable(f"nothing answers at {url} ({e})") from None
+                try:
+                    return await r.json(content_type=None)
+                except ValueError:
+                    raise ApiError(r.status, f"{url} answered something that is not JSON") from None
+        except aiohttp.InvalidURL as e:
+            raise BadAddress(f"{url} is not a valid URL ({e})") from None
+        except TRANSPORT_ERRORS as e:
+            raise Unreachable(f"nothing answers at {url} ({_say(e)})") from None
 
     # -- the local agent ---------------------------------------------------------------------
     async def node(self) -> dict[str, Any]:
@@ -138,44 +217,59 @@ class Client:
 
     # -- the coordinator ---------------------------------------------------------------------
     async def models(self) -> list[str]:
-        d = await self._json("GET", f"{self.coordinator_url}/v1/models", headers=self._headers())
-        return [str(m["id"]) for m in d.get("data", []) if isinstance(m, dict) and "id" in m]
+        d = await self._json("GET", self._coordinator("/v1/models"), headers=self._headers())
+        if not isinstance(d, dict):
+            raise ApiError(502, f"the coordinator URL answered something that is not a model list: {str(d)[:80]}")
+        return [str(m["id"]) for m in d.get("data") or [] if isinstance(m, dict) and "id" in m]
 
     async def chat(
         self, messages: list[dict[str, str]], model: str | None = None, max_tokens: int = 1024, **extra: Any
     ) -> AsyncIterator[Chunk]:
         """Stream one answer. Closing the generator (Stop) closes the request, which cancels the
-        generation on the cluster."""
+        generation on the cluster.
+
+        Raises :class:`Unreachable` when no answer began (refused, a bad URL, no coordinator),
+        :class:`ApiError` for an error the server reports, and :class:`Interrupted` when a
+        begun answer breaks off: cut, silent for ``STREAM_READ_S``, ended before its end
+        (``[DONE]`` or a finish reason), or garbled. Comment lines (``: ...``, keep-alives
+        while the cluster finds a new coordinator) are skipped; a data event with
+        ``{"lakeshard": {"status": "..."}}`` becomes a :attr:`Chunk.note`."""
+        url = self._coordinator("/v1/chat/completions")
         body: dict[str, Any] = {"messages": messages, "stream": True, "max_tokens": max_tokens, **extra}
         if model:
             body["model"] = model
-        url = f"{self.coordinator_url}/v1/chat/completions"
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=3, sock_read=600)
-        try:
-            async with self.session.post(url, json=body, headers=self._headers(), timeout=timeout) as r:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=3, sock_read=STREAM_READ_S)
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                r = await stack.enter_async_context(
+                    self.session.post(url, json=body, headers=self._headers(), timeout=timeout)
+                )
+            except aiohttp.InvalidURL as e:
+                raise BadAddress(f"{url} is not a valid URL ({e})") from None
+            except TRANSPORT_ERRORS as e:
+                raise Unreachable(f"the coordinator did not answer ({_say(e)})") from None
+            try:
                 await _raise_for(r)
-                async for raw in r.content:
-                    line = raw.decode("utf-8", "replace").strip()
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        return
-                    msg = json.loads(data)
-                    if "error" in msg:
-                        err = msg["error"]
-                        raise ApiError(503, str(err.get("message", err)), err.get("code"))
-                    for ch in msg.get("choices", []):
-                        text = (ch.get("delta") or {}).get("content") or ""
-                        fin = ch.get("finish_reason")
-                        if text or fin:
-                            yield Chunk(text, fin, msg.get("lakeshard") or {})
-        except (aiohttp.ClientConnectionError, TimeoutError) as e:
-            raise Unreachable(f"the coordinator did not answer ({e})") from None
+            except TRANSPORT_ERRORS as e:
+                raise Unreachable(f"the coordinator did not answer ({_say(e)})") from None
+            kind = r.headers.get("Content-Type", "text/event-stream").split(";")[0].strip().lower()
+            if kind != "text/event-stream":
+                raise ApiError(r.status, f"{url} answered with {kind}, not a stream of events: is it the chat API?")
+            finished = False
+            async for event in _sse_events(r):
+                if event.strip() == "[DONE]":
+                    return
+                chunk = _chunk(event)
+                if chunk is None:
+                    continue
+                finished = finished or chunk.finish is not None
+                yield chunk
+            if not finished:
+                raise Interrupted("the stream ended before the answer was complete", "no [DONE], no finish reason")
 
     async def events(self) -> AsyncIterator[Event]:
         """The cluster event stream, from its snapshot on, until the connection ends."""
-        url = f"{self.coordinator_url}/v1/cluster/events"
+        url = self._coordinator("/v1/cluster/events")
         try:
             async with self.session.ws_connect(
                 url, headers=self._headers(), heartbeat=10.0, max_msg_size=MAX_EVENT_BYTES
@@ -184,5 +278,70 @@ class Client:
                     if m.type != aiohttp.WSMsgType.TEXT:
                         break
                     yield parse_event(m.data)
-        except (aiohttp.ClientConnectionError, aiohttp.WSServerHandshakeError, TimeoutError) as e:
-            raise Unreachable(f"no event stream at {url} ({e})") from None
+        except aiohttp.InvalidURL as e:
+            raise BadAddress(f"{url} is not a valid URL ({e})") from None
+        except TRANSPORT_ERRORS as e:
+            raise Unreachable(f"no event stream at {url} ({_say(e)})") from None
+
+
+def _say(e: BaseException) -> str:
+    """An exception in words (some of aiohttp's have none of their own)."""
+    text = str(e).strip()
+    return text or type(e).__name__
+
+
+async def _sse_events(r: aiohttp.ClientResponse) -> AsyncIterator[str]:
+    """The data of each server-sent event of ``r`` (data lines joined; comments and other
+    fields skipped). A broken or silent stream is :class:`Interrupted`."""
+    data: list[str] = []
+    try:
+        async for raw in r.content:
+            line = raw.decode("utf-8", "replace").rstrip("\r\n")
+            if not line:
+                if data:
+                    yield "\n".join(data)
+                    data = []
+                continue
+            if line.startswith(":"):
+                continue  # a comment: a keep-alive during a pause
+            name, _, value = line.partition(":")
+            if name == "data":
+                data.append(value[1:] if value.startswith(" ") else value)
+    except TRANSPORT_ERRORS as e:
+        if isinstance(e, TimeoutError):
+            raise Interrupted(f"the coordinator sent nothing for {STREAM_READ_S:.0f} s", _say(e)) from None
+        raise Interrupted("the connection to the coordinator broke off", _say(e)) from None
+    if data:  # the last event, without its blank line
+        yield "\n".join(data)
+
+
+def _chunk(event: str) -> Chunk | None:
+    """One data event of a chat stream as a chunk (None: nothing for the reader in it).
+    Unknown fields are ignored; an error event is :class:`ApiError`; unreadable JSON is
+    :class:`Interrupted`."""
+    try:
+        msg = json.loads(event)
+    except ValueError:
+        raise Interrupted("the stream carried something unreadable", event[:200]) from None
+    if not isinstance(msg, dict):
+        raise Interrupted("the stream carried something unreadable", event[:200])
+    if "error" in msg:
+        err = msg["error"]
+        if isinstance(err, dict):
+            raise ApiError(503, str(err.get("message") or err), err.get("code"))
+        raise ApiError(503, str(err))
+    extra = msg.get("lakeshard")
+    extra = extra if isinstance(extra, dict) else {}
+    note = extra.get("status")
+    text, finish = "", None
+    for ch in msg.get("choices") or []:
+        if not isinstance(ch, dict):
+            continue
+        delta = ch.get("delta")
+        piece = delta.get("content") if isinstance(delta, dict) else None
+        text += piece if isinstance(piece, str) else ""
+        finish = finish or (str(ch["finish_reason"]) if ch.get("finish_reason") else None)
+    if not (text or finish or isinstance(note, str)):
+        return None
+    stats = {k: v for k, v in extra.items() if k != "status"}
+    return Chunk(text, finish, stats, note if isinstance(note, str) else None)

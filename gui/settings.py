@@ -3,7 +3,9 @@ at login, and where the chat and node map find the coordinator.
 
 The agent's settings go through its local API (``PUT /v1/settings``), so a bad value is the
 agent's own one-line error, shown here, and nothing is written. The tray's own settings
-(coordinator URL and key) live in ``tray.json`` next to ``config.yaml``.
+(coordinator URL and key) live in ``tray.json`` next to ``config.yaml``; the URL is checked
+as it is typed (Save waits until it is a usable http(s) address) and, once saved, the chat
+and the node map use it at once.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from PySide6.QtWidgets import (
 )
 
 from gui import autostart
-from gui.client import ApiError, Client, Unreachable
+from gui.client import ApiError, Client, Unreachable, url_problem
 
 WEIGHTS = ("", "fp32", "fp16", "int8", "int4")
 MODES = ("pause", "limit", "run")
@@ -172,9 +174,14 @@ class SettingsDialog(QDialog):
         cf = QFormLayout(c)
         self.coordinator_url = QLineEdit()
         self.coordinator_url.setPlaceholderText("blank: through this laptop's agent (recommended)")
+        self.url_error = QLabel("")
+        self.url_error.setWordWrap(True)
+        self.url_error.setStyleSheet("color:#b91c1c")
+        self.url_error.setVisible(False)
         self.api_key = QLineEdit()
         self.api_key.setEchoMode(QLineEdit.EchoMode.Password)
         cf.addRow("Coordinator API", self.coordinator_url)
+        cf.addRow("", self.url_error)
         cf.addRow("API key", self.api_key)
         tabs.addTab(c, "Chat")
         a = QWidget()
@@ -190,12 +197,31 @@ class SettingsDialog(QDialog):
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Save | QDialogButtonBox.StandardButton.Close)
         buttons.accepted.connect(self.save)
         buttons.rejected.connect(self.reject)
+        self.save_btn = buttons.button(QDialogButtonBox.StandardButton.Save)
+        self.coordinator_url.textChanged.connect(self._check_url)
         lay = QVBoxLayout(self)
         lay.addWidget(tabs)
         lay.addWidget(self.message)
         lay.addWidget(buttons)
         self._task: asyncio.Task[Any] | None = None
         self.saved = asyncio.Event()
+
+    def url_problem(self) -> str | None:
+        """What is wrong with the coordinator URL in the form, in words (None: nothing)."""
+        why = url_problem(self.coordinator_url.text())
+        return f"The coordinator URL is not valid: {why}." if why else None
+
+    def _check_url(self) -> None:
+        """Say what is wrong under the field and in the message line (seen from every tab,
+        so a greyed Save always has its reason in view)."""
+        why = self.url_problem()
+        self.url_error.setText(why or "")
+        self.url_error.setVisible(why is not None)
+        self.save_btn.setEnabled(why is None)
+        if why:
+            self.message.setText(f"{why} Save waits until it is corrected (Chat tab).")
+        elif "The coordinator URL is not valid" in self.message.text():
+            self.message.setText("")
 
     # -- loading ---------------------------------------------------------------------------------
     def load(self) -> None:
@@ -238,6 +264,7 @@ class SettingsDialog(QDialog):
         self.coordinator_url.setText(tray.get("coordinator_url") or "")
         self.api_key.setText(tray.get("api_key") or "")
         self.message.setText(f"settings file: {file}")
+        self._check_url()  # a bad URL already in tray.json is pointed out at once
 
     def form(self) -> dict[str, Any]:
         peers = [p.strip() for p in self.peers.text().split(",") if p.strip()]
@@ -272,6 +299,10 @@ class SettingsDialog(QDialog):
 
     async def async_save(self) -> bool:
         self.saved.clear()
+        why = self.url_problem()
+        if why:  # nothing is saved while it is wrong (the agent's settings neither)
+            self.message.setText(f"not saved: {why}")
+            return False
         advanced = self.tabs.currentIndex() == self.advanced_tab
         try:
             if advanced:
@@ -289,6 +320,7 @@ class SettingsDialog(QDialog):
         tray["coordinator_url"] = self.coordinator_url.text().strip() or None
         tray["api_key"] = self.api_key.text() or None
         save_tray_settings(tray)
+        self.client.point_at(tray["coordinator_url"], tray["api_key"])  # the chat follows at once
         msg = f"saved to {r.get('file')}; start at login: {'on' if self.autostart.isChecked() else 'off'} ({where})"
         if r.get("restart"):
             msg += f". {', '.join(r['restart'])} apply after the agent restarts"

@@ -418,6 +418,8 @@ def test_settings_are_checked_by_the_agent_written_and_applied(
         assert "serve_model apply after the agent restarts" in d.message.text()
         assert (tmp_path / "xdg" / "autostart" / "lakeshard.desktop").is_file()
         assert load_tray_settings()["coordinator_url"] == "http://10.0.0.5:8000"
+        assert client.coordinator_url == "http://10.0.0.5:8000"  # the chat asks it from now on
+        assert client.agent_url == api
 
         # the election's settings apply at once: excluded, this node stops standing for coordinator
         run(qloop, client.put_settings({**saved["settings"], "election": {"exclude": [me]}}))

@@ -3,14 +3,16 @@
 Answers stream in as they are generated; Stop closes the request, which cancels the
 generation on the cluster. Conversations (with their system prompt, model and unsent draft)
 live in SQLite (:mod:`gui.chat.store`). When no coordinator answers, the window says so, keeps
-the message in the box and sends it once one does.
+the message in the box and sends it once one does. An answer that breaks off keeps its text,
+is marked "interrupted" with the reason, and can be asked again (Retry); whatever goes wrong,
+the answer ends and Send and Stop work again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import html
+import logging
 import time
 from typing import Any
 
@@ -34,32 +36,14 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from gui.chat.markdown import render
 from gui.chat.store import Store
-from gui.client import ApiError, Client, Unreachable
+from gui.chat.transcript import failed, transcript_html
+from gui.client import ApiError, BadAddress, Client, Interrupted, Unreachable
 from gui.icons import app_icon
 
+log = logging.getLogger(__name__)
 RETRY_S = 2.0
 RENDER_EVERY_S = 0.05  # re-render a streaming answer at most this often
-
-
-def answer_stats(stats: dict[str, Any], names: dict[str, str]) -> str:
-    """The line under an answer: time to first token, tok/s, who served it (pure)."""
-    parts = []
-    if stats.get("ttft_s") is not None:
-        parts.append(f"{stats['ttft_s']:.2f} s to first token")
-    if stats.get("tok_s") is not None:
-        parts.append(f"{stats['tok_s']:.1f} tok/s")
-    if stats.get("tokens") is not None:
-        parts.append(f"{stats['tokens']} tokens")
-    nodes = stats.get("nodes") or []
-    if nodes:
-        parts.append("served by " + " → ".join(names.get(n, n) for n in nodes))
-    if stats.get("stopped"):
-        parts.append("stopped")
-    if stats.get("error"):
-        parts.append(f"error: {stats['error']}")
-    return " · ".join(parts)
 
 
 class ChatWindow(QMainWindow):
@@ -154,6 +138,11 @@ class ChatWindow(QMainWindow):
         self.status = QLabel("")
         self.status.setStyleSheet("color:#6b7280")
         send_row.addWidget(self.status, 1)
+        self.retry_btn = QPushButton("Retry")
+        self.retry_btn.setToolTip("Ask the last question again (the failed answer is replaced)")
+        self.retry_btn.clicked.connect(self.retry)
+        self.retry_btn.setVisible(False)
+        send_row.addWidget(self.retry_btn)
         self.stop_btn = QPushButton("Stop")
         self.stop_btn.clicked.connect(self.stop)
         self.stop_btn.setEnabled(False)
@@ -263,32 +252,21 @@ class ChatWindow(QMainWindow):
     def redraw(self) -> None:
         if self.conversation is None:
             return
-        parts, self.blocks = [], []
-        for m in self.store.messages(self.conversation):
-            if self.live is not None and m.id == self.live["id"]:
-                text, stats = self.live["text"], self.live["stats"]
-            else:
-                text, stats = m.content, m.stats
-            if m.role == "user":
-                parts.append(
-                    '<table width="100%" cellpadding="8" bgcolor="#e0f2fe"><tr><td>'
-                    f"<b>You</b><br>{html.escape(text).replace(chr(10), '<br>')}</td></tr></table>"
-                )
-                continue
-            body, blocks = render(text or "…", len(self.blocks))
-            self.blocks += blocks
-            line = answer_stats(stats, self.names)
-            foot = f'<p style="color:#6b7280"><small>{html.escape(line)}</small></p>' if line else ""
-            parts.append(f"<div><b>Assistant</b>{body}{foot}</div>")
+        msgs = self.store.messages(self.conversation)
+        page, self.blocks = transcript_html(msgs, self.live, self.names, can_retry=self.streaming is None)
+        self.retry_btn.setVisible(self.can_retry())
         bar = self.transcript.verticalScrollBar()
         at_end = bar.value() >= bar.maximum() - 4
-        self.transcript.setHtml("\n".join(parts))
+        self.transcript.setHtml(page)
         if at_end:
             bar.setValue(bar.maximum())
         self._last_render = time.monotonic()
 
     def _link(self, url: QUrl) -> None:
         s = url.toString()
+        if s.startswith("retry:"):
+            self.retry()
+            return
         if s.startswith("copy:"):
             i = int(s[5:]) if s[5:].isdigit() else -1
             if 0 <= i < len(self.blocks):
@@ -312,56 +290,107 @@ class ChatWindow(QMainWindow):
         self.input.blockSignals(False)
         self.store.set_draft(cid, "")
         mid = self.store.add(cid, "assistant", "")
-        self.live = {"id": mid, "text": "", "stats": {}, "conversation": cid, "question": text}
-        self._load_conversations(select=cid)
-        self.redraw()
+        self._start(cid, mid, text)
+        self._load_conversations(select=cid)  # (it moves to the top of the list)
+
+    def can_retry(self) -> bool:
+        """Whether the shown conversation ends in a failed answer that Retry can ask again."""
+        if self.conversation is None or self.streaming is not None:
+            return False
+        msgs = self.store.messages(self.conversation)[-2:]
+        return [m.role for m in msgs] == ["user", "assistant"] and failed(msgs[1].stats)
+
+    def retry(self) -> None:
+        """Ask the last question again; the new answer replaces the failed one, as chat apps'
+        "regenerate" does (if the new try brings no text, the failed one stays)."""
+        if not self.can_retry():
+            return
+        assert self.conversation is not None
+        question, answer = self.store.messages(self.conversation)[-2:]
+        self.store.update(answer.id, "", {})  # (so that it is not part of the question's history)
+        self._start(self.conversation, answer.id, question.content, previous=(answer.content, answer.stats))
+
+    def _start(self, cid: int, mid: int, question: str, previous: tuple[str, dict[str, Any]] | None = None) -> None:
+        self.live = {"id": mid, "text": "", "stats": {}, "conversation": cid, "question": question, "note": None}
+        self.live.update(t0=time.perf_counter(), first=None, pieces=0, previous=previous)
         self.send_btn.setEnabled(False)
         self.stop_btn.setEnabled(True)
         self.status.setText("waiting for the first token…")
-        self.streaming = asyncio.ensure_future(self._answer(cid, mid, text))
+        self.streaming = asyncio.ensure_future(self._answer(cid, mid, question))
+        self.redraw()
 
     async def _answer(self, cid: int, mid: int, question: str) -> None:
-        assert self.live is not None
-        history = self.store.history(cid)  # (the empty answer being written is left out)
-        t0 = time.perf_counter()
-        first: float | None = None
-        n = 0
-        stats: dict[str, Any] = {}
-        outcome = "done"
+        """Stream one answer into the store; however it ends, the window is ready for the next."""
+        live = self.live
+        assert live is not None
+        stats = live["stats"]
+        outcome = "error"
         try:
-            async for ch in self.client.chat(
-                history, model=self.model.currentText() or None, temperature=self.temperature.value()
-            ):
-                if ch.text:
-                    n += 1
-                    if first is None:
-                        first = time.perf_counter()
-                        self.status.setText("answering…")
-                    self.live["text"] += ch.text
-                    self.chunk.emit(ch.text)
-                if ch.stats:
-                    stats["nodes"] = ch.stats.get("nodes") or []
-                    stats["tokens"] = ch.stats.get("completion_tokens")
-                if time.monotonic() - self._last_render > RENDER_EVERY_S:
-                    self.redraw()
+            await self._stream(cid, live)
+            outcome = "done"
         except asyncio.CancelledError:
             outcome = "stopped"
         except Unreachable as e:
             outcome = "unreachable"
             stats["error"] = str(e)
+            self.banner.setProperty("bad_address", isinstance(e, BadAddress))
+        except Interrupted as e:
+            outcome = "interrupted"
+            stats["interrupted"] = str(e)
+            log.info("the answer to %r was interrupted: %s (%s)", question[:60], e, e.detail)
         except ApiError as e:
-            outcome = "error"
             stats["error"] = str(e)
-        now = time.perf_counter()
+        except Exception as e:  # a case nobody foresaw: the answer still ends, and says why
+            log.exception("the answer to %r failed", question[:60])
+            stats["error"] = f"unexpected error: {e!r}"
+        # (only the loop's own end, GeneratorExit, gets past the handlers above: no window to reset then)
+        try:
+            self._settle(cid, mid, question, outcome, live)
+        finally:
+            self.live = None
+            self.streaming = None
+            self.send_btn.setEnabled(True)
+            self.stop_btn.setEnabled(False)
+            self.redraw()
+        self.answered.emit(mid)
+
+    async def _stream(self, cid: int, live: dict[str, Any]) -> None:
+        history = self.store.history(cid)  # (the empty answer being written is left out)
+        stats = live["stats"]
+        async for ch in self.client.chat(
+            history, model=self.model.currentText() or None, temperature=self.temperature.value()
+        ):
+            if ch.note:  # the cluster says why the answer waits (the gateway splicing in the rest)
+                live["note"] = ch.note
+                self.status.setText(ch.note)
+                self.redraw()
+            if ch.text:
+                live["pieces"] += 1
+                if live["first"] is None or live["note"]:
+                    live["first"] = live["first"] or time.perf_counter()
+                    live["note"] = None
+                    self.status.setText("answering…")
+                live["text"] += ch.text
+                self.chunk.emit(ch.text)
+            if ch.stats:
+                stats["nodes"] = ch.stats.get("nodes") or []
+                stats["tokens"] = ch.stats.get("completion_tokens")
+            if time.monotonic() - self._last_render > RENDER_EVERY_S:
+                self.redraw()
+
+    def _settle(self, cid: int, mid: int, question: str, outcome: str, live: dict[str, Any]) -> None:
+        """Keep what came (with its figures and how it ended) and say so in the status line."""
+        stats = live["stats"]
+        now, first = time.perf_counter(), live["first"]
         if first is not None:
-            stats["ttft_s"] = round(first - t0, 3)
-            tokens = stats.get("tokens") or n
+            stats["ttft_s"] = round(first - live["t0"], 3)
+            tokens = stats.get("tokens") or live["pieces"]
             if now > first and tokens > 1:
                 stats["tok_s"] = round((tokens - 1) / (now - first), 1)
         if outcome == "stopped":
             stats["stopped"] = True
-        text = self.live["text"]
-        if outcome == "unreachable" and not text:
+        text, previous = live["text"], live["previous"]
+        if outcome == "unreachable" and not text and previous is None:
             # nothing came back: the question goes back into the box, to be sent again
             self.store.delete_message(mid)
             msgs = self.store.messages(cid)
@@ -373,17 +402,24 @@ class ChatWindow(QMainWindow):
             self.reachable = False
             self.pending_send = True
             self._say_unreachable(stats.get("error", ""))
-            if self._probe is None or self._probe.done():
-                self._probe = asyncio.ensure_future(self._watch_coordinator())
+            self._check_coordinator()
+            self.status.setText("not sent: no coordinator answers")
+            return
+        if previous is not None and not text:  # a retry that brought nothing: the failed answer stays
+            text, stats = previous if outcome in ("done", "stopped") else (previous[0], stats)
+        self.store.update(mid, text, stats)
+        if outcome in ("interrupted", "unreachable"):
+            self._check_coordinator()  # if it is gone, the banner says so
+        if outcome == "interrupted":
+            self.status.setText("The answer was interrupted. Retry asks again.")
+        elif outcome in ("error", "unreachable"):
+            self.status.setText(f"error: {stats.get('error', '')}")
         else:
-            self.store.update(mid, text, stats)
-        self.live = None
-        self.streaming = None
-        self.send_btn.setEnabled(True)
-        self.stop_btn.setEnabled(False)
-        self.status.setText({"done": "", "stopped": "stopped"}.get(outcome, stats.get("error", "")))
-        self.redraw()
-        self.answered.emit(mid)
+            self.status.setText("stopped" if outcome == "stopped" else "")
+
+    def _check_coordinator(self) -> None:
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.ensure_future(self._watch_coordinator())
 
     def stop(self) -> None:
         """Stop the answer: the request is closed, and the cluster cancels the generation."""
@@ -393,8 +429,16 @@ class ChatWindow(QMainWindow):
     # -- the coordinator's reachability ----------------------------------------------------------
     def _say_unreachable(self, why: str) -> None:
         self.banner.setProperty("why", why)
-        extra = " Your message will be sent when one answers." if self.pending_send else ""
-        self.banner.setText(f"No coordinator is reachable right now; retrying every {RETRY_S:.0f} s.{extra}\n{why}")
+        if self.banner.property("bad_address"):  # (``why`` says what is wrong with it)
+            extra = " Your message will be sent once it works." if self.pending_send else ""
+            text = (
+                f"{why[:1].upper()}{why[1:]}.\nCorrect it in Settings (Chat tab), or leave it blank to chat "
+                f"through this laptop's agent.{extra}"
+            )
+        else:
+            extra = " Your message will be sent when one answers." if self.pending_send else ""
+            text = f"No coordinator is reachable right now; retrying every {RETRY_S:.0f} s.{extra}\n{why}"
+        self.banner.setText(text)
         self.banner.setVisible(True)
 
     async def _watch_coordinator(self) -> None:
@@ -402,9 +446,12 @@ class ChatWindow(QMainWindow):
         while True:
             try:
                 models = await self.client.models()
-            except (Unreachable, ApiError) as e:
+            except Exception as e:  # whatever it is, say why and keep trying: never stop watching
+                if not isinstance(e, Unreachable | ApiError):
+                    log.exception("asking the coordinator for its models failed")
                 self.reachable = False
-                self._say_unreachable(str(e))
+                self.banner.setProperty("bad_address", isinstance(e, BadAddress))
+                self._say_unreachable(str(e) or type(e).__name__)
                 await asyncio.sleep(RETRY_S)
                 continue
             self.reachable = True
