@@ -285,7 +285,13 @@ def build_parser() -> argparse.ArgumentParser:
     me.add_argument("--prompt-tokens", type=_positive_int, default=1024)
     me.add_argument("--random-weights", action="store_true")
     me.add_argument("--json", action="store_true")
-    fo = bsub.add_parser("failover", help="pause and lost text when a stage agent dies mid-generation")
+    fo = bsub.add_parser("failover", help="pause and lost text when a stage agent or the coordinator dies mid-answer")
+    fo.add_argument(
+        "--kill",
+        choices=["stage", "coordinator"],
+        default="stage",
+        help="what dies: a stage agent (the coordinator re-plans) or the coordinator (a new one takes over)",
+    )
     fo.add_argument("--model", default="smollm2-135m")
     fo.add_argument("--weights", choices=["fp32", "fp16", "int8", "int4"], default="int8")
     fo.add_argument("--nodes", type=_positive_int, default=3)
@@ -293,6 +299,11 @@ def build_parser() -> argparse.ArgumentParser:
     fo.add_argument("--tokens", type=_positive_int, default=200)
     fo.add_argument("--seed", type=int, help="fixes the random stages and steps")
     fo.add_argument("--json", action="store_true")
+    fm = bsub.add_parser("formation", help="from cluster init with two joins to the first answer, cold and warm")
+    fm.add_argument("--model", default="smollm2-135m")
+    fm.add_argument("--weights", choices=["fp32", "fp16", "int8", "int4"], default="int8")
+    fm.add_argument("--timeout", type=float, default=1800.0, help="seconds each formation may take")
+    fm.add_argument("--json", action="store_true")
     th = bsub.add_parser("throttle", help="how fast a node gets out of its user's way (Xvfb input), and what it costs")
     th.add_argument("--model", default="smollm2-135m")
     th.add_argument("--weights", choices=["fp32", "fp16", "int8", "int4"], default="int8")

@@ -65,14 +65,15 @@ class Answer:
             b["lakeshard"] = {"continue": list(self.ids), "sent": self.sent}
         return json.dumps(b).encode()
 
-    def take(self, obj: dict[str, Any], continuing: bool) -> dict[str, Any] | None:
-        """One chunk from the coordinator, as the client is to get it (None: skip it)."""
+    def take(self, obj: dict[str, Any], continuing: bool, keep_ids: bool = False) -> dict[str, Any] | None:
+        """One chunk from the coordinator, as the client is to get it (None: skip it). The ids and
+        seed are taken out, unless the client asked for them itself (``keep_ids``)."""
         lk = obj.get("lakeshard")
         if isinstance(lk, dict):
-            ids = lk.pop("ids", None)
+            ids = lk.get("ids") if keep_ids else lk.pop("ids", None)
             if isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
                 self.ids.extend(ids)
-            seed = lk.pop("seed", None)
+            seed = lk.get("seed") if keep_ids else lk.pop("seed", None)
             if isinstance(seed, int) and not isinstance(seed, bool) and self.seed is None:
                 self.seed = seed
             if not lk:
@@ -132,7 +133,7 @@ async def async_stream_with_resume(
             why = ""
             if up is not None:
                 try:
-                    if await _relay(up, out, ans, continuing=ans.resumed > 0):
+                    if await _relay(up, out, ans, ans.resumed > 0, request.headers.get(RESUME_HEADER) == "1"):
                         return out
                 except BROKEN as e:
                     why = str(e) or type(e).__name__
@@ -203,7 +204,9 @@ async def _write(aw: Awaitable[Any]) -> None:
         raise ClientGone() from e
 
 
-async def _relay(up: aiohttp.ClientResponse, out: web.StreamResponse, ans: Answer, continuing: bool) -> bool:
+async def _relay(
+    up: aiohttp.ClientResponse, out: web.StreamResponse, ans: Answer, continuing: bool, keep_ids: bool
+) -> bool:
     """Pass the coordinator's events on; whether the answer ended ([DONE] or an error event)."""
     buf = bytearray()
     async for chunk in up.content.iter_any():
@@ -222,7 +225,7 @@ async def _relay(up: aiohttp.ClientResponse, out: web.StreamResponse, ans: Answe
             if "error" in obj:  # the coordinator's own verdict (the generation failed): the client's too
                 await _write(out.write(b"data: " + data + b"\n\n"))
                 return True
-            taken = ans.take(obj, continuing)
+            taken = ans.take(obj, continuing, keep_ids)
             if taken is not None:
                 await _write(out.write(f"data: {json.dumps(taken)}\n\n".encode()))
     return False

@@ -77,6 +77,7 @@ class LocalCluster:
         self.ports: list[int] = []
         self.api_ports: list[int] = []
         self.procs: list[subprocess.Popen[bytes]] = []
+        self._spawn: list[tuple[list[str], dict[str, str], Path | None]] = []  # each agent's command, env, log
         self.elect = elect
         self.agent_args = list(agent_args)
         self.names = list(names) if names is not None else None  # what node maps call each agent
@@ -95,7 +96,8 @@ class LocalCluster:
         """Elected agent ``i``'s LAKESHARD_HOME (its security folder: ``home(i) / "config" / "security"``)."""
         if self._homes is None:
             raise RuntimeError("only elected agents have homes of their own, once started")
-        return Path(self._homes.name) / f"agent{i}"
+        own = (self.agent_envs[i] if self.agent_envs is not None else {}).get("LAKESHARD_HOME")
+        return Path(own) if own else Path(self._homes.name) / f"agent{i}"
 
     def start(self, timeout: float = 60.0) -> LocalCluster:
         ports = self._fixed_ports or [free_port() for _ in range(self.n)]
@@ -126,14 +128,16 @@ class LocalCluster:
                 cmd += ["--name", self.names[i]]
             if self.cores is not None:
                 cmd = ["taskset", "-c", ",".join(map(str, self.cores[i])), *cmd]
-            out = open(self.log_dir / f"agent{i}.log", "wb") if self.log_dir else subprocess.DEVNULL  # noqa: SIM115
+            log = self.log_dir / f"agent{i}.log" if self.log_dir else None
+            out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
             env = {**os.environ, "PYTHONWARNINGS": "ignore", **self.env}
             if self.elect is not None:
                 # each agent its own identity and term (like separate laptops); models and exports shared
                 if self._homes is None:
                     self._homes = tempfile.TemporaryDirectory(prefix="lakeshard-agents-")
                 env["LAKESHARD_SHARED_CACHE"] = env.get("LAKESHARD_SHARED_CACHE") or str(paths.cache_dir())
-                env["LAKESHARD_HOME"] = str(Path(self._homes.name) / f"agent{i}")
+                own = (self.agent_envs[i] if self.agent_envs is not None else {}).get("LAKESHARD_HOME")
+                env["LAKESHARD_HOME"] = own or str(Path(self._homes.name) / f"agent{i}")
                 if self.configs[i] is not None:
                     cfg = Path(env["LAKESHARD_HOME"]) / "config" / "config.yaml"
                     cfg.parent.mkdir(parents=True, exist_ok=True)
@@ -141,6 +145,7 @@ class LocalCluster:
             if self.agent_envs is not None:
                 env.update(self.agent_envs[i])
             self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env))
+            self._spawn.append((cmd, env, log))
             self.ports.append(port)
         deadline = time.monotonic() + timeout
         if self.form:
@@ -210,6 +215,17 @@ class LocalCluster:
     def kill(self, i: int) -> None:
         self.procs[i].kill()
         self.procs[i].wait()
+
+    def restart(self, i: int, timeout: float = 60.0) -> None:
+        """Start agent ``i`` again after :meth:`kill`: same command, home and ports (a laptop back)."""
+        cmd, env, log = self._spawn[i]
+        out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
+        self.procs[i] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout
+        while not self._port_open(self.ports[i]):
+            if self.procs[i].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"agent {i} did not start again")
+            time.sleep(0.1)
 
     def stop(self) -> None:
         for p in self.procs:

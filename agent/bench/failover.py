@@ -1,5 +1,7 @@
 """``lakeshard bench failover``: how long a generation pauses when a stage agent dies, and what it loses.
 
+(``--kill coordinator``: the coordinator dies instead; see :mod:`agent.bench.takeover`.)
+
 Each trial starts ``--nodes`` agent processes on loopback and a coordinator, runs a greedy
 generation of ``--tokens`` tokens, and SIGKILLs a random stage's agent after a random token.
 It measures the time from the kill to the next token reaching the caller, and compares the
@@ -73,6 +75,10 @@ def compare(ref: list[int], out: list[int], at: int) -> tuple[int, int, bool]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if getattr(args, "kill", "stage") == "coordinator":
+        from agent.bench.takeover import run as run_takeover
+
+        return run_takeover(args)
     if args.nodes < 2:
         raise BenchError("--nodes must be at least 2 (a failover needs a survivor)")
     model: LocalModel = ModelStore().resolve(args.model, quiet=bool(args.json))

@@ -1,0 +1,92 @@
+"""``lakeshard bench formation``: from ``cluster init`` with two joins to the first answer, cold and warm.
+
+Three agent processes on loopback, each with a home of its own (its identity, cluster
+credentials, logs and compiled-model cache), form a new cluster the way the tray does (``init``
+on the first, ``invite`` there, ``join`` on the others, through their local APIs: mutual TLS from
+then on), the cluster's model is set on one of them, and a chat question is asked through
+another's local API. ``cold_s``: the first time, with empty export and compile caches (the model
+itself is already in the store: ``lakeshard models pull`` is its own step). ``warm_s``: again
+with brand-new identities but the caches the first run left (a cluster formed again on laptops
+that served before). Both count from the agents' start to the answer's first token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from agent import paths
+from agent.bench.pipeline import BenchError
+from coordinator.local_cluster import LocalCluster
+
+NODES = 3
+QUESTION = "Say hello to the office."
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _first_token(port: int, timeout: float) -> float:
+    """Ask through agent ``port``'s local API until it answers; when its first token came."""
+    body = json.dumps(
+        {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 8, "temperature": 0, "stream": True}
+    ).encode()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                for line in r:
+                    if line.startswith(b"data: {") and b'"content": "' in line and b'"content": ""' not in line:
+                        return time.monotonic()
+        except OSError:
+            pass
+        time.sleep(0.25)
+    raise BenchError(f"no answer within {timeout:.0f} s")
+
+
+def _form(root: Path, model: str, weights: str, timeout: float) -> float:
+    """Seconds from the agents' start to the first token of the first answer."""
+    homes = [{"LAKESHARD_HOME": str(root / f"agent{i}")} for i in range(NODES)]
+    shared = {"LAKESHARD_SHARED_CACHE": str(root / "shared"), "LAKESHARD_MODELS_DIR": str(paths.models_dir())}
+    config = f"serve:\n  model: {model}\n  weights: {weights}\n"
+    t0 = time.monotonic()
+    with LocalCluster(NODES, elect=[], secure=True, form=True, env=shared, agent_envs=homes, config=config) as c:
+        got = _first_token(c.api_ports[-1], timeout)
+    return got - t0
+
+
+def _forget_identities(root: Path) -> None:
+    """New laptops' identities (and clusters), but the caches they had."""
+    for i in range(NODES):
+        for sub in ("config", "state"):
+            shutil.rmtree(root / f"agent{i}" / sub, ignore_errors=True)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="lakeshard-bench-formation-") as tmp:
+        root = Path(tmp)
+        cold = _form(root, args.model, args.weights, args.timeout)
+        _say(f"cold: first token {cold:.1f} s after the agents started")
+        _forget_identities(root)
+        warm = _form(root, args.model, args.weights, args.timeout)
+        _say(f"warm: first token {warm:.1f} s after the agents started")
+    return {
+        "suite": "formation",
+        "model": args.model,
+        "weights": args.weights,
+        "nodes": NODES,
+        "cold_s": round(cold, 2),
+        "warm_s": round(warm, 2),
+        "answered": True,
+    }
