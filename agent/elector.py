@@ -65,6 +65,8 @@ class LocalNode:
     # each device it offers (capacity probe); a shared-memory device's mem_free is replaced by the
     # node's fresh figure in every beat, an own-memory device's (a discrete GPU) the daemon keeps current
     offers: tuple[DeviceOffer, ...] = ()
+    # the cluster settings document it holds, (version, set_by), which its beats announce
+    settings: tuple[int, str] | None = None
 
     def device_offers(self, mem_free: int) -> tuple[DeviceOffer, ...]:
         """The offers as beats carry them: shared-memory devices with ``mem_free``, the node's figure."""
@@ -104,7 +106,7 @@ class Elector:
         self.peers: dict[str, Peer] = {}
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=100)
         self.on_term: Callable[[int], None] | None = None  # tells the stage server about new terms
-        # every beat taken (signed and checked, with credentials) and where it came from: revocation gossip
+        # every beat taken (signed and checked, with credentials) and where it came from: gossip
         self.on_beat_heard: Callable[[Beat, tuple[str, int]], None] | None = None
         now = time.monotonic()
         self.started = now
@@ -282,6 +284,7 @@ class Elector:
             next_rtt_ms=self.me.next_rtt_ms,
             offers=self.me.device_offers(mem_free),
             revocation=self.datagrams.revocation_version(),
+            settings=self.me.settings,
         )
         self._beat_sent = now if self.role is Role.COORDINATOR else None
         for addr in self._targets():

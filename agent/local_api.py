@@ -10,6 +10,7 @@
   election settings apply at once, the rest is listed under ``restart``;
 * ``GET /v1/models``, ``POST /v1/chat/completions``, ``GET /v1/cluster/events``: the
   coordinator's, wherever it runs (:mod:`agent.gateway`);
+* ``GET`` / ``PUT /v1/cluster/model``: the model the cluster serves (:mod:`agent.cluster_model_api`);
 * on ``lakeshard agent``, the cluster identity routes too (:mod:`agent.cluster_api`).
 
 It serves an :class:`agent.daemon.AgentDaemon`, or :class:`agent.unjoined.LocalAgent` (the same
@@ -27,6 +28,7 @@ from typing import Any, Protocol
 import yaml
 from aiohttp import web
 
+from agent.cluster_model_api import ModelDoor, add_model_routes
 from agent.config import ConfigError, Settings, config_file, load, parse
 from agent.gateway import Door, Target, add_local_routes, describe, json_errors
 from agent.logs import set_file_level
@@ -42,7 +44,7 @@ class NotJoined(Exception):
     """This agent waits for a cluster: it has no state to switch (the message says what to do)."""
 
 
-class Agent(Door, Protocol):
+class Agent(Door, ModelDoor, Protocol):
     """What the local API needs of the agent."""
 
     config_path: Any
@@ -86,6 +88,7 @@ def make_local_app(daemon: Agent) -> web.Application:
     app.router.add_get("/v1/settings", _get_settings)
     app.router.add_put("/v1/settings", _put_settings)
     add_local_routes(app, daemon)
+    add_model_routes(app, daemon)
     return app
 
 

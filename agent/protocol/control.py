@@ -31,6 +31,7 @@ MAX_SCORE = 1e7  # GFLOP/s; anything above is a forgery or a bug
 MAX_MEM = 1 << 50  # 1 PiB
 MAX_OFFERS = 8  # devices one beat offers
 MAX_REVOCATION = 1 << 31  # revocation list versions (one per revoked node: far fewer)
+MAX_SETTINGS = 1 << 31  # cluster settings versions
 
 
 def id_field(v: Any, name: str) -> str:
@@ -86,6 +87,15 @@ class DeviceOffer:
         )
 
 
+def settings_field(v: Any, name: str) -> tuple[int, str] | None:
+    """A cluster settings document's (version, set_by), or None."""
+    if v is None:
+        return None
+    if not isinstance(v, list | tuple) or len(v) != 2:
+        raise ProtocolError("bad_field", f"{name} must be [version, set_by]")
+    return int_field(v[0], f"{name} version", 1, MAX_SETTINGS), id_field(v[1], f"{name} set_by")
+
+
 def offers_field(v: Any, name: str) -> tuple[DeviceOffer, ...]:
     if not isinstance(v, list | tuple) or len(v) > MAX_OFFERS:
         raise ProtocolError("bad_field", f"{name} must be a list of at most {MAX_OFFERS} device offers")
@@ -126,11 +136,15 @@ class Beat(Message):
     # the version of the revocation list the sender holds (-1: none, or a plaintext node): members
     # that hold an older one fetch the sender's (see agent.revocation_gossip)
     revocation: int = -1
+    # the cluster settings document the sender holds, as (version, set_by) (None: none; older
+    # agents leave it out): members that hold an older one fetch the sender's (agent.settings_gossip)
+    settings: tuple[int, str] | None = None
 
     def header(self) -> dict[str, Any]:
         d = super().header()
         d["devices"] = list(self.devices)
         d["offers"] = [o.wire() for o in self.offers]
+        d["settings"] = list(self.settings) if self.settings is not None else None
         return d
 
     @classmethod
@@ -158,6 +172,7 @@ class Beat(Message):
             next_rtt_ms=None if h.get("next_rtt_ms") is None else float_field(h["next_rtt_ms"], "next_rtt_ms", 0, 1e6),
             offers=offers_field(h.get("offers", []), "offers"),
             revocation=int_field(h.get("revocation", -1), "revocation", -1, MAX_REVOCATION),
+            settings=settings_field(h.get("settings"), "settings"),
         )
 
 
