@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from pathlib import Path
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -87,6 +88,18 @@ def offered_models() -> list[dict[str, Any]]:
                 }
             )
     return out
+
+
+def check_override(ref: str) -> str | None:
+    """Why ``serve.model`` = ``ref`` cannot be served (None: it can): a registry name, a model in
+    the store, or a path to a GGUF file or Hugging Face directory (reads the store: off the loop)."""
+    if Path(ref).expanduser().exists():
+        return None
+    known = [m["name"] for m in offered_models()]
+    if ref in known:
+        return None
+    names = ", ".join(known)
+    return f"serve.model: unknown model {ref!r}: use one of {names}, or a path to a .gguf file or a HF directory"
 
 
 def _unknown(what: str, name: str, known: list[str]) -> SettingsError:

@@ -331,7 +331,7 @@ class AgentDaemon:
             want = self.effective_model()
             moved = self.services is not None and leading and self.services.term == term and self._serving != want.key
             if moved:  # a newer cluster setting was adopted (or set here): re-plan onto its model
-                log.info("the model to serve is now %s (%s): the coordinator services restart", want.model, want.why)
+                log.info("the model to serve is now %s (%s): the services restart", want.model or "none", want.why)
             if self.services is not None and (not leading or self.services.term != term or moved):
                 log.info("coordinator services stop (term %d)", self.services.term)
                 await self.services.async_stop()

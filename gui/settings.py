@@ -2,7 +2,9 @@
 at login, and where the chat and node map find the coordinator.
 
 The agent's settings go through its local API (``PUT /v1/settings``), so a bad value is the
-agent's own one-line error, shown here, and nothing is written. The tray's own settings
+agent's own one-line error, shown here, and nothing is written. The model the whole cluster
+serves has a tab of its own (:mod:`gui.cluster_model`); the Agent tab's model is this laptop's
+override of it. The tray's own settings
 (coordinator URL and key) live in ``tray.json`` next to ``config.yaml``.
 """
 

@@ -148,6 +148,8 @@ def test_the_cluster_serves_the_model_set_on_any_member(smollm2: Any, tmp_path: 
             assert (eff["model"], eff["source"]) == ("smollm2-135m", "cluster"), eff
         st = _get(ports[ci], "/v1/cluster")["cluster_settings"]
         assert st["adopted"] == 1 and st["refused"] == 0 and st["signed"], st
+        shown = run_cli("status", "--api-port", str(ports[other]))
+        assert f"serves when elected: smollm2-135m: cluster setting v{v1} by {NAMES[setter]}" in shown.stdout
 
         # the elected coordinator serves it: a chat answer through another laptop's agent
         ci = until("the coordinator serves smollm2-135m", lambda: serving("smollm2-135m"), 300, logs)

@@ -97,6 +97,15 @@ def test_the_model_tab_sets_the_clusters_model(
         assert p.current.text() == "now: smollm2-135m (cluster setting v1 by alice-laptop)"
         assert not p.changed()  # reloaded: saving again sets nothing
         assert run(qloop, d.async_save()) is True and _get(api, "/v1/cluster/model")["cluster"]["version"] == 1
+
+        # the Agent tab's override: a name that exists nowhere is refused too (nothing written)
+        d.tabs.setCurrentIndex(0)
+        d.model.setText("no-such-model")
+        assert run(qloop, d.async_save()) is False
+        assert d.message.text().startswith("not saved: serve.model: unknown model 'no-such-model': use one of"), (
+            d.message.text()
+        )
+        assert "serve" not in _get(api, "/v1/settings")["settings"]
         run(qloop, client.close())
 
 
