@@ -186,3 +186,34 @@ def test_the_cluster_serves_the_model_set_on_any_member(smollm2: Any, tmp_path: 
         f"cluster model: every member held the setting {spread:.1f} s after it was set; served after {serve1:.0f} s; "
         f"re-planned onto a new model in {replan:.0f} s; served again {failover:.0f} s after the coordinator died"
     )
+
+
+def test_a_plaintext_cluster_shares_the_setting_unsigned_and_web_pages_cannot_set_it(smollm2: Any) -> None:
+    """--insecure agents (no credentials): the setting travels unsigned. Neither agent can
+    coordinate here (no laptop has 4 TB), so nothing is exported: this is about the setting."""
+    config = "election:\n  min_coordinator_memory_gb: 4096\n"
+    env = {"LAKESHARD_MODELS_DIR": str(smollm2.dir.parent)}
+    with LocalCluster(2, elect=[], names=NAMES[:2], env=env, config=config) as c:
+        a, b = c.api_ports
+        # a web page cannot reach it: a browser sends an Origin (or, rebinding DNS, a foreign Host)
+        for headers in ({"Origin": "http://evil.example"}, {"Host": "evil.example"}):
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{a}/v1/cluster/model",
+                b'{"model": "smollm2-135m"}',
+                {"Content-Type": "application/json", **headers},
+                method="PUT",
+            )
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=10)
+            assert e.value.code == 403
+        status, body = _put(a, {"model": "smollm2-135m", "draft": "lookup"})
+        assert status == 200, body
+        held = until("the other agent holds it", lambda: (_get(b, "/v1/cluster/model") or {}).get("cluster"), 20)
+        assert (held["version"], held["model"], held["draft"], held["set_by_name"]) == (
+            1,
+            "smollm2-135m",
+            "lookup",
+            NAMES[0],
+        )
+        st = _get(b, "/v1/cluster")["cluster_settings"]
+        assert st["adopted"] == 1 and not st["signed"], st
