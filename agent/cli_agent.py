@@ -29,7 +29,7 @@ def add_parsers(sub: Any, port_type: Any, positive_int: Any) -> None:
     ag.add_argument(
         "--standalone", action="store_true", help="no discovery or election: serve the stage a 'serve' command assigns"
     )
-    ag.add_argument("--serve-model", help="when elected coordinator, serve this model (name or path)")
+    ag.add_argument("--serve-model", help="serve this model when elected (overrides the cluster's model)")
     ag.add_argument("--serve-weights", choices=["fp32", "fp16", "int8", "int4"], help="its weight format")
     ag.add_argument("--serve-api-port", type=port_type, help="the coordinator's API port on 127.0.0.1 (8000)")
     ag.add_argument(
@@ -174,6 +174,9 @@ def format_status(node: dict[str, Any], cluster: dict[str, Any]) -> str:
     why = cluster.get("not_eligible_because")
     if why:
         lines.append(f"this node does not stand for coordinator: {why}")
+    m = cluster.get("model")
+    if m:  # what it serves when elected: its override, else the cluster's model setting
+        lines.append(f"serves when elected: {m['model']}: {m['why']}" if m.get("model") else f"serves: {m['why']}")
     head = ("NODE", "ADDRESS", "ROLE", "TERM", "STATE", "STANDS", "SPEED", "FREE MEM", "DEVICES", "HEARD")
     rows = [
         (

@@ -1,4 +1,5 @@
-"""``lakeshard cluster init|invite|join|revoke|status``: cluster identity (see :mod:`agent.security`).
+"""``lakeshard cluster init|invite|join|revoke|status``: cluster identity (see :mod:`agent.security`);
+``lakeshard cluster model [NAME]``: the model the cluster serves (through the local agent's API).
 
 The node id a certificate names is the node id of this machine's agent on the settings' data
 port (``port`` in config.yaml, default 7700): the agent that will use the credentials.
@@ -35,6 +36,12 @@ def add_parsers(sub: Any) -> None:
     r.add_argument("node", help="its node id (12 hex digits)")
     s = csub.add_parser("status", help="this node's cluster identity: cluster id, node id, CA, expiry")
     s.add_argument("--json", action="store_true", help="print it as JSON")
+    m = csub.add_parser("model", help="show the model the cluster serves, or set it for every member (NAME)")
+    m.add_argument("name", nargs="?", help="the model to serve: a registry name or a model in the store")
+    m.add_argument("--weights", choices=["fp32", "fp16", "int8", "int4"], help="its weights (default: the model's)")
+    m.add_argument("--draft", help="speculative decoding: a draft model, 'lookup' or NAME+lookup")
+    m.add_argument("--api-port", type=int, default=None, help="the local agent's status API port (default: settings)")
+    m.add_argument("--json", action="store_true", help="print the agent's answer as JSON")
 
 
 def _settings() -> Any:
@@ -105,6 +112,10 @@ def run_cluster(args: argparse.Namespace) -> int:
     elif cmd == "status":
         st = cluster.status()
         print(json.dumps(st, indent=2) if args.json else format_status(st))
+    elif cmd == "model":
+        from agent.cli_model import run_model
+
+        return run_model(args, _settings)
     return 0
 
 

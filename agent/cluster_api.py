@@ -67,7 +67,7 @@ def local_only(handler: Handler) -> Handler:
         except ValueError:
             host = None
         if host not in LOCAL_HOSTS or "Origin" in request.headers:
-            return api_error(403, "cluster identity is changed only by local programs, not web pages", "forbidden")
+            return api_error(403, "only local programs may use the cluster routes, not web pages", "forbidden")
         return await handler(request)
 
     return guarded

@@ -21,9 +21,10 @@ halfway through start-up. Example::
       idle_minutes: 2
       temp_high_c: 90
     models_dir: /data/lakeshard-models   # where models are stored (default: the cache folder)
-    serve:                               # what the elected coordinator serves (none: no model)
-      model: smollm2-135m                # a store name, or a path to a GGUF / HF directory
-      weights: int8
+    serve:                               # how the elected coordinator serves
+      model: smollm2-135m                # this laptop's override of the cluster's model (which is set
+      weights: int8                      # with 'lakeshard cluster model' or Settings, for every member):
+                                         # a store name, or a path to a GGUF / HF directory
       api_port: 8000                     # OpenAI-compatible API, 127.0.0.1 on the coordinator
       ring_port: 7702                    # the coordinator's ring and stage files (default: port + 2)
       streams: 4

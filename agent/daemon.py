@@ -15,7 +15,10 @@ One process, one event loop, four parts:
   wherever the coordinator is (:mod:`agent.gateway`), which is all a tray needs.
 
 While this node is the elected coordinator it also runs the coordinator's services
-(:mod:`coordinator.role`): the event hub always, the pipeline and API when a model is set.
+(:mod:`coordinator.role`): the event hub always, the pipeline and API when a model is set:
+this node's override (``serve.model``), else the cluster's model setting, a signed document
+every member holds (:mod:`agent.settings_gossip`); when a newer one names another model, the
+services restart and plan it.
 
 ``standalone`` keeps only the stage server (a fixed pipeline driven by ``lakeshard serve``).
 """
@@ -39,6 +42,7 @@ import psutil
 from aiohttp import web
 
 from agent import __version__
+from agent.cluster_model_api import add_settings_route
 from agent.config import Settings, ring_port_for
 from agent.discovery import MIB, Advert, Discovery
 from agent.election import Role, Timing, data_term
@@ -56,6 +60,7 @@ from agent.security.datagrams import for_credentials
 from agent.security.fencing import CoordinatorFence
 from agent.security.routes import add_cluster_routes, membership
 from agent.server import make_app
+from agent.settings_gossip import Effective, SettingsGossip, effective
 from agent.stage_host import StageHost
 from agent.throttle.controller import Contribution
 from agent.throttle.thermal import temperature_c
@@ -145,6 +150,11 @@ class AgentDaemon:
         self.elector: Elector | None = None
         self.discovery: Discovery | None = None
         self.gossip: RevocationGossip | None = None
+        # the model the cluster serves: a signed, versioned document every member holds (gossiped)
+        self.cluster_settings = SettingsGossip(self.transport, settings.cluster_id, self.node, on_change=self._held)
+        self.cluster_settings.load()
+        self._serving: tuple[str | None, str | None, str | None] | None = None  # the services' model
+        self._warmed: tuple[str | None, str | None, str | None] | None = None  # its config read once
         self.capacity: dict[str, Any] | None = None
         self.api_port = settings.api_port
         self.serves_local_api = True
@@ -171,6 +181,7 @@ class AgentDaemon:
         if not self.opts.standalone:
             add_member_routes(public, self)
             held_exports.add_routes(public, self.held, self._may_fetch)
+            add_settings_route(public, self.cluster_settings)  # what peers fetch (members only)
         try:
             self.me.port = await self._serve(public, self.opts.host, self.settings.port, transport.current().server_ssl)
         except OSError as e:
@@ -186,8 +197,9 @@ class AgentDaemon:
             self.elector.on_term = self._on_term
             if self.transport.secure:  # members adopt the newest revocation list their peers' beats announce
                 self.gossip = RevocationGossip(self.transport)
-                self.elector.on_beat_heard = self.gossip.on_beat
                 self._tasks.append(asyncio.create_task(self.gossip.run()))
+            self.elector.on_beat_heard = self._on_beat  # and the newest cluster settings
+            self._tasks.append(asyncio.create_task(self.cluster_settings.run()))
             await self.elector.async_start(self.opts.host)
             if self.settings.mdns:
                 self.discovery = Discovery(
@@ -323,15 +335,28 @@ class AgentDaemon:
             await asyncio.sleep(0.25)
             leading = e.role is Role.COORDINATOR
             term = self.store.state.term
-            if self.services is not None and (not leading or self.services.term != term):
+            want = self.effective_model()
+            moved = self.services is not None and leading and self.services.term == term and self._serving != want.key
+            if moved:  # a newer cluster setting was adopted (or set here): re-plan onto its model
+                log.info("the model to serve is now %s (%s): the services restart", want.model or "none", want.why)
+            if self.services is not None and (not leading or self.services.term != term or moved):
                 log.info("coordinator services stop (term %d)", self.services.term)
                 await self.services.async_stop()
                 self.services = None
+            if leading and self.services is None and want.model and want.key != self._warmed:
+                # the first read of a model's config imports transformers' code for it: seconds, on
+                # a busy laptop enough to miss beats and lose the election, so off the loop first
+                self._warmed = want.key
+                await asyncio.to_thread(_read_config, want.model)
+                continue  # (still the coordinator, of the same term? the next round sees)
             if leading and self.services is None:
                 s = self.settings
+                self._serving = want.key
                 self.services = CoordinatorRole(
-                    model=s.serve_model,
-                    weights=s.serve_weights,
+                    model=want.model,
+                    weights=want.weights,
+                    draft=want.draft,
+                    name=self.display_name(),
                     api_port=s.serve_api_port,
                     ring_port=s.serve_ring_port if s.serve_ring_port is not None else ring_port_for(self.me.port),
                     streams=s.serve_streams,
@@ -504,6 +529,30 @@ class AgentDaemon:
     def _on_term(self, term: int) -> None:
         self.host.term_seen = max(self.host.term_seen, data_term(term))
 
+    def _on_beat(self, beat: Any, src: tuple[str, int]) -> None:
+        """Every beat the elector takes: gossip of the revocation list and the cluster settings."""
+        if self.gossip is not None:
+            self.gossip.on_beat(beat, src)
+        self.cluster_settings.on_beat(beat, src)
+
+    # -- the model the cluster serves ------------------------------------------------------------
+    def _held(self, doc: Any) -> None:
+        self.me.settings = doc.key if doc is not None else None  # what beats announce
+
+    def model_settings(self) -> SettingsGossip:
+        return self.cluster_settings
+
+    def effective_model(self) -> Effective:
+        """What this node serves when elected: its override (serve.model), else the cluster's."""
+        s = self.settings
+        return effective(s.serve_model, s.serve_weights, self.cluster_settings.held)
+
+    def serve_override(self) -> tuple[str | None, str | None]:
+        return self.settings.serve_model, self.settings.serve_weights
+
+    def display_name(self) -> str:
+        return self.me.name or self.node
+
     # -- status ----------------------------------------------------------------------------------
     def node_status(self) -> dict[str, Any]:
         e = self.elector
@@ -512,6 +561,7 @@ class AgentDaemon:
             "name": self.me.name,
             "cluster": self.settings.cluster_id,
             "version": __version__,
+            "model": self.effective_model().to_json(),  # what it serves when elected, and why
             "state": self.me.state,
             "reason": self.me.reason,
             "paused_until": self.contrib.manual_until,
@@ -559,10 +609,24 @@ class AgentDaemon:
             return {"node": self.node, "role": "standalone", "peers": [], "coordinator": None, "term": 0}
         st = self.elector.status()
         st["links"] = self.links
-        st["services"] = self.services.status() if self.services is not None else None
+        sv = self.services
+        st["services"] = None if sv is None else {**sv.status(), "weights": sv.weights, "draft": sv.draft}
+        st["model"] = self.effective_model().to_json()
+        st["cluster_settings"] = self.cluster_settings.status()
         st["assignments_refused"] = self.fence.refused  # not from the coordinator of their term
         st["revocation"] = self.gossip.status() if self.gossip is not None else None
         return st
+
+
+def _read_config(model: str) -> None:
+    """Read a stored model's config once (in a worker thread: see ``_coordinate``); failures are
+    the coordinator services' to report."""
+    from agent.models.store import ModelStore
+
+    with contextlib.suppress(Exception):
+        m = ModelStore().get(model)
+        if m is not None:
+            m.config()
 
 
 def _differs(a: Advert, b: Advert) -> bool:

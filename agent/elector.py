@@ -69,6 +69,8 @@ class LocalNode:
     serving: StageReport | None = None  # the stage it serves now
     exports: tuple[str, ...] = ()  # the exports it holds whole (content ids; the cluster's first, then newest)
     needed: int = 0  # while it coordinates: how many of the first ``exports`` every member should copy
+    # the cluster settings document it holds, (version, set_by), which its beats announce
+    settings: tuple[int, str] | None = None
 
     def device_offers(self, mem_free: int) -> tuple[DeviceOffer, ...]:
         """The offers as beats carry them: shared-memory devices with ``mem_free``, the node's figure."""
@@ -108,7 +110,7 @@ class Elector:
         self.peers: dict[str, Peer] = {}
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=100)
         self.on_term: Callable[[int], None] | None = None  # tells the stage server about new terms
-        # every beat taken (signed and checked, with credentials) and where it came from: revocation gossip
+        # every beat taken (signed and checked, with credentials) and where it came from: gossip
         self.on_beat_heard: Callable[[Beat, tuple[str, int]], None] | None = None
         now = time.monotonic()
         self.started = now
@@ -289,6 +291,7 @@ class Elector:
             serving=self.me.serving,
             exports=self.me.exports[:MAX_HELD],
             needed=min(self.me.needed, MAX_HELD),
+            settings=self.me.settings,
         )
         self._beat_sent = now if self.role is Role.COORDINATOR else None
         for addr in self._targets():

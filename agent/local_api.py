@@ -6,10 +6,12 @@
 * ``POST /v1/node/state``: ``{"state": "paused", "for_s": 3600}`` / ``{"state": "available"}``
   (the tray's pause switch; ``for_s`` resumes by itself);
 * ``GET /v1/settings`` / ``PUT /v1/settings``: ``config.yaml``, read, and validated with the
-  agent's own parser before it is written (``{"settings": {...}}`` or ``{"text": "..."}``);
+  agent's own parser before it is written (``{"settings": {...}}`` or ``{"text": "..."}``; a
+  new ``serve.model`` must name a model of the registry or the store, or an existing path);
   election settings apply at once, the rest is listed under ``restart``;
 * ``GET /v1/models``, ``POST /v1/chat/completions``, ``GET /v1/cluster/events``: the
   coordinator's, wherever it runs (:mod:`agent.gateway`);
+* ``GET`` / ``PUT /v1/cluster/model``: the model the cluster serves (:mod:`agent.cluster_model_api`);
 * on ``lakeshard agent``, the cluster identity routes too (:mod:`agent.cluster_api`).
 
 It serves an :class:`agent.daemon.AgentDaemon`, or :class:`agent.unjoined.LocalAgent` (the same
@@ -18,6 +20,7 @@ answers, and ``no_cluster`` ones while this node waits for a cluster).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -27,6 +30,7 @@ from typing import Any, Protocol
 import yaml
 from aiohttp import web
 
+from agent.cluster_model_api import ModelDoor, add_model_routes, check_override
 from agent.config import ConfigError, Settings, config_file, load, parse
 from agent.gateway import Door, Target, add_local_routes, describe, json_errors
 from agent.logs import set_file_level
@@ -42,7 +46,7 @@ class NotJoined(Exception):
     """This agent waits for a cluster: it has no state to switch (the message says what to do)."""
 
 
-class Agent(Door, Protocol):
+class Agent(Door, ModelDoor, Protocol):
     """What the local API needs of the agent."""
 
     config_path: Any
@@ -86,6 +90,7 @@ def make_local_app(daemon: Agent) -> web.Application:
     app.router.add_get("/v1/settings", _get_settings)
     app.router.add_put("/v1/settings", _put_settings)
     add_local_routes(app, daemon)
+    add_model_routes(app, daemon)
     return app
 
 
@@ -174,6 +179,10 @@ async def _put_settings(request: web.Request) -> web.Response:
         before = load(path) if path.is_file() else None
     except ConfigError:
         before = None  # a broken file is being replaced
+    if new.serve_model and new.serve_model != (before.serve_model if before else None):
+        why = await asyncio.to_thread(check_override, new.serve_model)  # a name that exists, or a path
+        if why is not None:
+            return _bad(why)
     write_text_atomic(path, text)
     restart = d.apply_settings(new, before or Settings())
     set_file_level(new.log_level)

@@ -36,6 +36,7 @@ from agent.paths import agent_state_dir, log_dir
 from agent.security import files
 from agent.security.errors import SecurityError
 from agent.security.transport import NO_CLUSTER_HINT
+from agent.settings_gossip import Effective, SettingsGossip, effective
 
 log = logging.getLogger(__name__)
 NO_CLUSTER = "no_cluster"
@@ -195,6 +196,20 @@ class LocalAgent:
             "term": 0,
             "hint": NO_CLUSTER_HINT,
         }
+
+    def model_settings(self) -> SettingsGossip | None:
+        return self.daemon.model_settings() if self.daemon is not None else None
+
+    def effective_model(self) -> Effective:
+        if self.daemon is not None:
+            return self.daemon.effective_model()
+        return effective(self.settings.serve_model, self.settings.serve_weights, None)
+
+    def serve_override(self) -> tuple[str | None, str | None]:
+        return self.settings.serve_model, self.settings.serve_weights
+
+    def display_name(self) -> str:
+        return self.daemon.display_name() if self.daemon is not None else self.settings.name or self.node
 
     def set_state(self, state: str, for_s: float | None = None) -> None:
         if self.daemon is None:

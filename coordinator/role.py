@@ -73,9 +73,12 @@ class CoordinatorRole:
         cluster: str = "default",
         api_limits: Limits | None = None,  # per client (None: only the cap on requests in flight)
         needed_before: Callable[[], tuple[str, ...]] = tuple,  # the exports the last coordinator needed
+        draft: str | None = None,  # speculative decoding: a draft model, "lookup" or "NAME+lookup"
+        name: str | None = None,  # what node maps call this laptop (messages name it)
     ) -> None:
         self.needed_before = needed_before
         self.model_ref, self.weights, self.api_port = model, weights, api_port
+        self.draft, self.name = draft, name
         self.ring_port = ring_port
         self.streams, self.exact, self.term = streams, exact, term
         self.min_nodes = min_nodes
@@ -136,6 +139,7 @@ class CoordinatorRole:
                 events=self.hub,
                 cluster_id=self.cluster,
                 api_limits=self.api_limits,
+                draft=self.draft,
             )
             self.coordinator = Coordinator(cfg)
             self.coordinator.node_ids = {a: n for n, a in self.addresses.items()}
@@ -302,7 +306,8 @@ class CoordinatorRole:
         if self.api_base() is not None:
             return None
         if self.state == "no model":
-            return "the coordinator serves no model: set serve.model in its settings (or --serve-model)"
+            who = f"the coordinator {self.name}" if self.name else "the coordinator"
+            return f"{who} serves no model: choose the cluster's model in Settings (or `lakeshard cluster model NAME`)"
         if self.state == "failed":
             return f"the coordinator could not form the pipeline: {self.error}"
         return f"the coordinator is still forming the pipeline ({self.state})"

@@ -215,6 +215,16 @@ class Client:
         d: dict[str, Any] = await self._json("POST", f"{self.agent_url}/v1/cluster/revoke", json={"node": node})
         return d
 
+    # -- the model the cluster serves, through the local agent (agent/cluster_model_api.py) -----
+    async def cluster_model(self) -> dict[str, Any]:
+        d: dict[str, Any] = await self._json("GET", f"{self.agent_url}/v1/cluster/model")
+        return d
+
+    async def set_cluster_model(self, model: str, weights: str | None, draft: str | None) -> dict[str, Any]:
+        body = {"model": model, "weights": weights, "draft": draft}
+        d: dict[str, Any] = await self._json("PUT", f"{self.agent_url}/v1/cluster/model", json=body)
+        return d
+
     # -- the coordinator ---------------------------------------------------------------------
     async def models(self) -> list[str]:
         d = await self._json("GET", self._coordinator("/v1/models"), headers=self._headers())

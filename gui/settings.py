@@ -2,10 +2,11 @@
 at login, and where the chat and node map find the coordinator.
 
 The agent's settings go through its local API (``PUT /v1/settings``), so a bad value is the
-agent's own one-line error, shown here, and nothing is written. The tray's own settings
-(coordinator URL and key) live in ``tray.json`` next to ``config.yaml``; the URL is checked
-as it is typed (Save waits until it is a usable http(s) address) and, once saved, the chat
-and the node map use it at once.
+agent's own one-line error, shown here, and nothing is written. The model the whole cluster
+serves has a tab of its own (:mod:`gui.cluster_model`); the Agent tab's model is this laptop's
+override of it. The tray's own settings (coordinator URL and key) live in ``tray.json`` next
+to ``config.yaml``; the URL is checked as it is typed (Save waits until it is a usable http(s)
+address) and, once saved, the chat and the node map use it at once.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from PySide6.QtWidgets import (
 
 from gui import autostart
 from gui.client import ApiError, Client, Unreachable, url_problem
+from gui.cluster_model import ClusterModelPicker
 
 WEIGHTS = ("", "fp32", "fp16", "int8", "int4")
 MODES = ("pause", "limit", "run")
@@ -109,8 +111,8 @@ class SettingsDialog(QDialog):
         self.mdns = QCheckBox("find peers by multicast DNS")
         self.peers = QLineEdit()
         self.peers.setPlaceholderText("host:port, host:port (where multicast is blocked)")
-        self.model = QLineEdit()
-        self.model.setPlaceholderText("e.g. smollm2-135m (served when this laptop coordinates)")
+        self.model = QLineEdit()  # serve.model: this laptop's override of the cluster's model
+        self.model.setPlaceholderText("blank: the cluster's model (Model tab); a name here overrides it on this laptop")
         self.weights = QComboBox()
         self.weights.addItems(WEIGHTS)
         self.serve_port = QSpinBox()
@@ -127,8 +129,8 @@ class SettingsDialog(QDialog):
             ("Status API port", self.api_port),
             ("Discovery", self.mdns),
             ("Static peers", self.peers),
-            ("Model to serve", self.model),
-            ("Weights", self.weights),
+            ("Override model", self.model),
+            ("Override weights", self.weights),
             ("Chat API port", self.serve_port),
             ("Model folder", self.models_dir),
             ("Log level", self.log_level),
@@ -136,6 +138,8 @@ class SettingsDialog(QDialog):
         ):
             form.addRow(label, w)
         tabs.addTab(f, "Agent")
+        self.cluster_model = ClusterModelPicker(client)  # the cluster's model: its own tab
+        tabs.addTab(self.cluster_model, "Model")
         y = QWidget()
         yf = QFormLayout(y)
         self.idle_minutes = QDoubleSpinBox()
@@ -235,6 +239,7 @@ class SettingsDialog(QDialog):
             return
         self.raw = cur.get("settings") or {}
         self.fill(self.raw, cur.get("text", ""), cur.get("file", ""))
+        await self.cluster_model.async_load()
 
     def fill(self, raw: dict[str, Any], text: str, file: str) -> None:
         disc, serve = raw.get("discovery") or {}, raw.get("serve") or {}
@@ -304,6 +309,11 @@ class SettingsDialog(QDialog):
             self.message.setText(f"not saved: {why}")
             return False
         advanced = self.tabs.currentIndex() == self.advanced_tab
+        try:  # the cluster's model first: a name the agent refuses stops the save here
+            model_msg = await self.cluster_model.async_save()
+        except (ApiError, Unreachable) as e:
+            self.message.setText(f"not saved: the cluster's model: {e}")
+            return False
         try:
             if advanced:
                 r = await self.client.put_settings(text=self.text.toPlainText())
@@ -326,6 +336,6 @@ class SettingsDialog(QDialog):
             msg += f". {', '.join(r['restart'])} apply after the agent restarts"
             msg += "; restarting it now." if self.restart_agent() else "; restart it to apply them."
         await self.async_load()
-        self.message.setText(msg)
+        self.message.setText(f"{model_msg}. {msg}" if model_msg else msg)
         self.saved.set()
         return True

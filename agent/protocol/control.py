@@ -31,6 +31,7 @@ MAX_SCORE = 1e7  # GFLOP/s; anything above is a forgery or a bug
 MAX_MEM = 1 << 50  # 1 PiB
 MAX_OFFERS = 8  # devices one beat offers
 MAX_REVOCATION = 1 << 31  # revocation list versions (one per revoked node: far fewer)
+MAX_SETTINGS = 1 << 31  # cluster settings versions
 
 
 def id_field(v: Any, name: str) -> str:
@@ -137,6 +138,15 @@ def held_field(v: Any, name: str) -> tuple[str, ...]:
     return tuple(export_field(x, name) for x in v)
 
 
+def settings_field(v: Any, name: str) -> tuple[int, str] | None:
+    """A cluster settings document's (version, set_by), or None."""
+    if v is None:
+        return None
+    if not isinstance(v, list | tuple) or len(v) != 2:
+        raise ProtocolError("bad_field", f"{name} must be [version, set_by]")
+    return int_field(v[0], f"{name} version", 1, MAX_SETTINGS), id_field(v[1], f"{name} set_by")
+
+
 def offers_field(v: Any, name: str) -> tuple[DeviceOffer, ...]:
     if not isinstance(v, list | tuple) or len(v) > MAX_OFFERS:
         raise ProtocolError("bad_field", f"{name} must be a list of at most {MAX_OFFERS} device offers")
@@ -182,6 +192,9 @@ class Beat(Message):
     serving: StageReport | None = None
     exports: tuple[str, ...] = ()
     needed: int = 0  # a coordinator's: the first ``needed`` exports are the cluster's (running, fallback): copy them
+    # the cluster settings document the sender holds, as (version, set_by) (None: none; older
+    # agents leave it out): members that hold an older one fetch the sender's (agent.settings_gossip)
+    settings: tuple[int, str] | None = None
 
     def header(self) -> dict[str, Any]:
         d = super().header()
@@ -189,6 +202,7 @@ class Beat(Message):
         d["offers"] = [o.wire() for o in self.offers]
         d["serving"] = None if self.serving is None else self.serving.wire()
         d["exports"] = list(self.exports)
+        d["settings"] = list(self.settings) if self.settings is not None else None
         return d
 
     @classmethod
@@ -219,6 +233,7 @@ class Beat(Message):
             serving=None if h.get("serving") is None else StageReport.parse(h["serving"]),
             exports=held_field(h.get("exports", []), "exports"),
             needed=int_field(h.get("needed", 0), "needed", 0, MAX_HELD),
+            settings=settings_field(h.get("settings"), "settings"),
         )
 
 
