@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -48,6 +49,7 @@ class LocalCluster:
         ports: Sequence[int] | None = None,
         secure: bool = False,
         form: bool = False,
+        capacity: Path | None = None,
     ) -> None:
         """``elect``: run full agents (election, no multicast, loopback peers) with these extra
         arguments, instead of standalone stage servers driven by a ``serve`` coordinator.
@@ -57,7 +59,10 @@ class LocalCluster:
         default local clusters are plaintext (``--insecure``), like the in-process coordinators
         of tests and benchmarks, whatever credentials the user's own home holds.
         ``form`` (secure elected agents): make a throwaway cluster the way the tray does, through
-        the agents' local APIs: ``init`` on the first, ``invite`` there, ``join`` on the others."""
+        the agents' local APIs: ``init`` on the first, ``invite`` there, ``join`` on the others.
+        ``capacity`` (elected agents): a ``capacity.json`` copied into every home before its agent
+        starts: identical laptops (one plan, so one cached export; no speed test on loaded cores)."""
+        self.capacity = capacity
         if ports is not None and len(ports) != n:
             raise ValueError("one port per agent")
         self._fixed_ports = list(ports) if ports is not None else None
@@ -138,6 +143,10 @@ class LocalCluster:
                 env["LAKESHARD_SHARED_CACHE"] = env.get("LAKESHARD_SHARED_CACHE") or str(paths.cache_dir())
                 own = (self.agent_envs[i] if self.agent_envs is not None else {}).get("LAKESHARD_HOME")
                 env["LAKESHARD_HOME"] = own or str(Path(self._homes.name) / f"agent{i}")
+                seeded = Path(env["LAKESHARD_HOME"]) / "cache" / "capacity.json"
+                if self.capacity is not None and not seeded.exists():
+                    seeded.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(self.capacity, seeded)
                 if self.configs[i] is not None:
                     cfg = Path(env["LAKESHARD_HOME"]) / "config" / "config.yaml"
                     cfg.parent.mkdir(parents=True, exist_ok=True)

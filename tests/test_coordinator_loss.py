@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from agent.capacity import probe
 from coordinator.local_cluster import LocalCluster
 from tests.conftest import PROMPTS
 from tests.figures import report
@@ -58,8 +59,17 @@ def _coordinator(c: LocalCluster, among: list[int], timeout: float, ready: bool 
 
 @pytest.fixture
 def cluster(tmp_path: Path, smollm2) -> Iterator[LocalCluster]:  # type: ignore[no-untyped-def]
+    # three identical laptops (one speed test, copied into each home): one plan, whose exports later
+    # runs find in the shared cache
+    speed = tmp_path / "capacity.json"
+    probe(cache_file=speed, requested="CPU")
     with LocalCluster(
-        3, elect=SERVE, names=["ann", "bob", "cid"], config="serve:\n  min_nodes: 2\n", log_dir=tmp_path
+        3,
+        elect=SERVE,
+        names=["ann", "bob", "cid"],
+        config="serve:\n  min_nodes: 2\n",
+        log_dir=tmp_path,
+        capacity=speed,
     ) as c:
         yield c
 

@@ -18,8 +18,10 @@ import json
 import random
 import statistics
 import sys
+import tempfile
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -27,6 +29,7 @@ import aiohttp
 from agent import aio
 from agent.bench.failover import QUESTION, compare
 from agent.bench.pipeline import BenchError
+from agent.capacity import probe
 from agent.resume import RESUME_HEADER
 from coordinator.local_cluster import LocalCluster
 
@@ -97,11 +100,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     serve = ["--serve-model", args.model, "--serve-weights", args.weights, "--serve-exact"]
     config = f"serve:\n  min_nodes: {min(args.nodes, 2)}\n"
+    with tempfile.TemporaryDirectory(prefix="lakeshard-bench-takeover-") as tmp:
+        speed = Path(tmp) / "capacity.json"  # identical laptops: one plan, exported once (then cached)
+        probe(cache_file=speed, requested="CPU")
+        return _trials(args, serve, config, speed, rng)
+
+
+def _trials(args: argparse.Namespace, serve: list[str], config: str, speed: Path, rng: random.Random) -> dict[str, Any]:
     pauses: list[float] = []
     lost = dup = 0
     identical, reexported = True, False
     seconds: list[float] = []
-    with LocalCluster(args.nodes, elect=serve, config=config) as c:
+    with LocalCluster(args.nodes, elect=serve, config=config, capacity=speed) as c:
         ci = serving(c, list(range(args.nodes)), 1800)
         far = next(i for i in range(args.nodes) if i != ci)
         ref, _ = aio.run(stream_ids(c.api_ports[far], args.tokens))
