@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 
 from agent.capacity import probe
@@ -124,6 +125,26 @@ def test_the_coordinator_killed_mid_answer_the_answer_goes_on_unchanged_and_noth
     stop = threading.Event()
     watcher = threading.Thread(target=lambda: asyncio.run(_events(c.api_ports[far], events, stop)), daemon=True)
     watcher.start()
+    # a client of the coordinator's own API (not through an agent) gets a clear error: it raises, never hangs
+    direct: list[BaseException | str] = []
+
+    def ask_directly() -> None:
+        client = openai.OpenAI(base_url=before["api"], api_key="none", max_retries=0, timeout=60)
+        try:
+            for _ in client.chat.completions.create(
+                model="smollm2-135m",
+                messages=[{"role": "user", "content": PROMPTS[0]}],
+                max_tokens=400,
+                temperature=0,
+                stream=True,
+            ):
+                pass
+            direct.append("finished")
+        except Exception as e:
+            direct.append(e)
+
+    asker = threading.Thread(target=ask_directly, daemon=True)
+    asker.start()
     killed: list[float] = []
     gaps: list[float] = []
     last = [time.monotonic()]
@@ -143,6 +164,8 @@ def test_the_coordinator_killed_mid_answer_the_answer_goes_on_unchanged_and_noth
         watcher.join(10)
     assert killed, "the answer ended before the coordinator could be killed"
     assert got == want
+    asker.join(30)
+    assert direct and isinstance(direct[0], Exception), direct
     # one completion id, one opening chunk; the pause was said once, in a chunk without choices
     assert len({ch["id"] for ch in chunks}) == 1
     assert sum(1 for ch in chunks for x in ch["choices"] if x.get("delta", {}).get("role")) == 1
