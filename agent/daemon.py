@@ -61,6 +61,7 @@ from agent.security.fencing import CoordinatorFence
 from agent.security.routes import add_cluster_routes, membership
 from agent.server import make_app
 from agent.settings_gossip import Effective, SettingsGossip, effective
+from agent.shutdown import bounded
 from agent.stage_host import StageHost
 from agent.throttle.controller import Contribution
 from agent.throttle.thermal import temperature_c
@@ -89,6 +90,10 @@ RESTART_KEYS = (
 
 
 INSECURE_WHY = "--insecure, or 'insecure: true' in the settings"
+# on shutdown (within agent.shutdown.SHUTDOWN_S in all): the coordinator's services and the mDNS
+# goodbye, side by side (the services' own listeners give streams 2 x 0.3 s for their last chunk)
+SERVICES_STOP_S = 0.7
+LISTENERS_STOP_S = 0.3  # then the stage server and local API, side by side
 
 
 @dataclass(frozen=True)
@@ -230,18 +235,25 @@ class AgentDaemon:
         return int(runner.addresses[-1][1])
 
     async def async_shutdown(self) -> None:
+        """Stop in the order the other nodes notice, every step bounded (see :mod:`agent.shutdown`).
+
+        The election first: a coordinator's last beat says it stepped down, and with the beats
+        stopped the peers count this node gone within ``peer_timeout_s``. Then, side by side, the
+        coordinator's services (streams in flight end with an error chunk) and the mDNS goodbye;
+        then the listeners (a peer that never answers a websocket close cannot hold the exit up)."""
         for t in self._tasks:
             t.cancel()
-        if self.services is not None:
-            await self.services.async_stop()
-        if self.discovery is not None:
-            await self.discovery.async_close()  # says goodbye
         if self.elector is not None:
-            await self.elector.async_shutdown()
-        for r in reversed(self._runners):
-            await r.cleanup()
+            await bounded(self.elector.async_shutdown(), 0.1, "the election's last beat")
+        steps = []
+        if self.services is not None:
+            steps.append(bounded(self.services.async_stop(), SERVICES_STOP_S, "the coordinator's services"))
+        if self.discovery is not None:
+            steps.append(bounded(self.discovery.async_close(), SERVICES_STOP_S, "the mDNS goodbye"))
+        await asyncio.gather(*steps)
+        await asyncio.gather(*(bounded(r.cleanup(), LISTENERS_STOP_S, "a listener") for r in self._runners))
         if self.session is not None:
-            await self.session.close()
+            await bounded(self.session.close(), 0.1, "the HTTP session")
 
     # -- keeping what we offer current -----------------------------------------------------------
     async def _probe(self) -> None:

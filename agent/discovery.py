@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # zeroconf is imported only when mDNS is used (standalone age
 log = logging.getLogger(__name__)
 SERVICE = "_lakeshard._tcp.local."
 MIB = 1024 * 1024
+GOODBYE_S = 0.4  # on shutdown: for the mDNS goodbye to go out before the sockets close
 
 
 class AdvertError(ValueError):
@@ -232,7 +233,9 @@ class Discovery:
                 await self._browser.async_cancel()
         if self._info is not None:
             with contextlib.suppress(Exception):
-                await self._azc.async_unregister_service(self._info)  # the goodbye
+                goodbye = await self._azc.async_unregister_service(self._info)
+                # sent before the sockets close (3 packets 125 ms apart; the first is what counts)
+                await asyncio.wait_for(goodbye, GOODBYE_S)
         await self._azc.async_close()
         self._azc = None
 

@@ -37,10 +37,12 @@ from agent.security import files
 from agent.security.errors import SecurityError
 from agent.security.transport import NO_CLUSTER_HINT
 from agent.settings_gossip import Effective, SettingsGossip, effective
+from agent.shutdown import HARD_EXIT_S, SHUTDOWN_S, bounded, exit_after, exit_now
 
 log = logging.getLogger(__name__)
 NO_CLUSTER = "no_cluster"
 POLL_S = 1.0  # how often a waiting agent looks for credentials
+LOCAL_API_STOP_S = 0.2  # on shutdown, after the daemon's steps (agent.shutdown.SHUTDOWN_S in all)
 
 
 class LocalAgent:
@@ -81,6 +83,8 @@ class LocalAgent:
             self._watch = asyncio.create_task(self._wait_for_credentials())
 
     async def async_shutdown(self) -> None:
+        """The daemon's bounded shutdown, then the local API (last: it relays the coordinator's
+        error chunks to the streams in flight through it), also bounded."""
         if self._watch is not None:
             self._watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -88,7 +92,7 @@ class LocalAgent:
         if self.daemon is not None:
             await self.daemon.async_shutdown()
         for r in reversed(self._runners):
-            await r.cleanup()
+            await bounded(r.cleanup(), LOCAL_API_STOP_S, "the local API")
 
     def _credentials(self) -> tuple[float, float] | None:
         """When the node certificate and CA were written, if both are there (None: not a member)."""
@@ -238,13 +242,20 @@ async def _main(settings: Settings, opts: DaemonOptions, config_path: Any = None
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):  # Windows
             loop.add_signal_handler(sig, stop.set)
+    code = 0
     try:
         await stop.wait()
-    finally:
-        await a.async_shutdown()
+    except asyncio.CancelledError:  # ^C where signal handlers cannot be set (Windows)
+        code = 130
+    # within SHUTDOWN_S of the signal: the graceful part, then exit without waiting for worker
+    # threads, an export's child process or OpenVINO's teardown (see agent.shutdown)
+    exit_after(HARD_EXIT_S, code)
+    await bounded(a.async_shutdown(), SHUTDOWN_S, "the agent's shutdown")
+    exit_now(code)
 
 
 def run_agent(settings: Settings, opts: DaemonOptions, config_path: Any = None) -> None:
+    """Run until SIGTERM or SIGINT, then exit within about 1.5 s (never returns after a signal)."""
     from agent.aio import run
 
     run(_main(settings, opts, config_path))

@@ -9,18 +9,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import socket
 import ssl
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-import psutil
 from aiohttp import web
 
 from agent import aio
@@ -33,6 +30,7 @@ from agent.protocol import MAX_FRAME
 from agent.protocol.events import ClusterView, Failover, NodeInfo
 from agent.runtime.tokenizer import ChatTokenizer
 from agent.security import transport
+from agent.shutdown import describe, exit_now
 from agent.stage_host import OPTIONAL_FILES, STAGE_FILES
 from coordinator.api import ApiState, make_api_app
 from coordinator.calibration import CalibrationStore, fit_head_layers, propose, stage_time
@@ -501,22 +499,11 @@ def run_coordinator(cfg: ServeConfig) -> None:
             try:
                 await asyncio.wait_for(coord.async_stop(), STOP_GRACE_S * 2)
             except (TimeoutError, Exception) as e:
-                log.warning("shutdown cut short: %s", e or type(e).__name__)
+                log.warning("shutdown cut short: %s", describe(e))  # (a TimeoutError's message is empty)
 
+    # without waiting for worker threads (a spare export): their child processes end first
     try:
         aio.run(main())
     except KeyboardInterrupt:
-        _exit_now(130)
-    _exit_now(0)
-
-
-def _exit_now(code: int) -> None:
-    """Exit without waiting for worker threads (a spare export): end their child processes first."""
-    with contextlib.suppress(Exception):
-        for child in psutil.Process().children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                child.terminate()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+        exit_now(130)
+    exit_now(0)

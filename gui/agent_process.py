@@ -19,6 +19,7 @@ from pathlib import Path
 from gui.client import Client, Unreachable
 
 log = logging.getLogger(__name__)
+STOP_S = 1.5  # an agent leaves within this of SIGTERM (agent.shutdown); past it, it is killed
 
 
 def log_folder() -> Path:
@@ -38,6 +39,7 @@ class AgentProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.output = log_folder() / "agent-console.log"
         self.error: str | None = None
+        self._asked: float | None = None  # when it was asked to leave (monotonic)
 
     @property
     def started_here(self) -> bool:
@@ -90,14 +92,26 @@ class AgentProcess:
                     return line.split("error:", 1)[1].strip()
         return f"the agent exited with status {code} (see {self.output})"
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop the agent if we started it (one started elsewhere is left running)."""
+    def terminate(self) -> None:
+        """Ask the agent we started to leave (SIGTERM: it says goodbye and exits within STOP_S)."""
         p = self.proc
         if p is None or p.poll() is not None:
             return
+        if self._asked is None:
+            self._asked = time.monotonic()
         p.terminate()
+
+    def stop(self, timeout: float = STOP_S) -> None:
+        """Stop the agent if we started it (one started elsewhere is left running): SIGTERM, then
+        killed if it is still there ``timeout`` seconds after it was first asked to leave."""
+        p = self.proc
+        if p is None or p.poll() is not None:
+            return
+        self.terminate()
+        assert self._asked is not None
         try:
-            p.wait(timeout=timeout)
+            p.wait(timeout=max(0.0, self._asked + timeout - time.monotonic()))
         except subprocess.TimeoutExpired:
+            log.warning("the agent did not exit within %.1f s of SIGTERM: killed", timeout)
             p.kill()
             p.wait()

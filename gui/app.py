@@ -19,6 +19,7 @@ import sys
 from typing import Any
 
 log = logging.getLogger(__name__)
+TRAY_STOP_S = 0.5  # on Quit: for the windows and the tray's connections to close
 
 
 def instance_name() -> str:
@@ -135,18 +136,44 @@ def run_tray(args: argparse.Namespace) -> int:
     single.on_knock = tray.show_chat
 
     async def main() -> None:
-        if agent is not None and not await agent.async_ensure():
-            tray._set(None, agent.error)
-        tray.start()
-        print(f"lakeshard tray: following the agent at {agent_url}", flush=True)
-        await done.wait()
-        await tray.async_stop()
+        if agent is not None:  # (a Quit or SIGTERM while the agent starts is not kept waiting)
+            ensure, quit_ = asyncio.ensure_future(agent.async_ensure()), asyncio.ensure_future(done.wait())
+            await asyncio.wait({ensure, quit_}, return_when=asyncio.FIRST_COMPLETED)
+            quit_.cancel()
+            if not ensure.done():
+                ensure.cancel()
+            elif not ensure.result():
+                tray._set(None, agent.error)
+        if not done.is_set():
+            tray.start()
+            print(f"lakeshard tray: following the agent at {agent_url}", flush=True)
+            await done.wait()
+        # Quit (or SIGTERM) ends within 2 s: the agent we started leaves meanwhile (STOP_S)
+        if agent is not None:
+            agent.terminate()
+        await _within(tray.async_stop(), TRAY_STOP_S)
         if agent is not None:
             await asyncio.to_thread(agent.stop)
 
     with loop:
         loop.run_until_complete(main())
-    return 0
+    single.server.close()  # (removes its socket file)
+    # Qt's and the interpreter's teardown would take another 1.5 s or so, for nothing
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+async def _within(aw: Any, seconds: float) -> None:
+    """Await ``aw`` for at most ``seconds``, then leave it cancelled (not waited for)."""
+    task = asyncio.ensure_future(aw)
+    done, _ = await asyncio.wait({task}, timeout=seconds)
+    if not done:
+        task.cancel()
+        log.warning("closing the tray's windows took over %.1f s: quitting anyway", seconds)
+    elif not task.cancelled() and task.exception() is not None:
+        log.warning("closing the tray's windows failed: %s", task.exception())
 
 
 def _settings_api_port() -> int:
