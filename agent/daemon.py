@@ -164,6 +164,7 @@ class AgentDaemon:
         self.api_port = settings.api_port
         self.serves_local_api = True
         self.started = time.time()
+        self.stopping = False  # shutting down (the gateway then lets answers end as they end)
         self._advertised: Advert | None = None
         self._runners: list[web.AppRunner] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -241,6 +242,7 @@ class AgentDaemon:
         stopped the peers count this node gone within ``peer_timeout_s``. Then, side by side, the
         coordinator's services (streams in flight end with an error chunk) and the mDNS goodbye;
         then the listeners (a peer that never answers a websocket close cannot hold the exit up)."""
+        self.stopping = True
         for t in self._tasks:
             t.cancel()
         if self.elector is not None:

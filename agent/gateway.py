@@ -64,6 +64,9 @@ class Door(Protocol):
 
     def is_member_address(self, ip: str) -> bool: ...
 
+    @property
+    def stopping(self) -> bool: ...
+
 
 DOOR: web.AppKey[Door] = web.AppKey("door")
 
@@ -186,7 +189,7 @@ async def async_local_api(request: web.Request) -> web.StreamResponse:
     except ValueError:
         body = None
     if isinstance(body, dict) and body.get("stream") is True:
-        return await async_stream_with_resume(request, body, headers, upstream)
+        return await async_stream_with_resume(request, body, headers, upstream, lambda: door.stopping)
     return await async_whole_with_retry(raw, headers, upstream)
 
 

@@ -111,10 +111,16 @@ def _events(buffer: bytearray) -> list[bytes]:
 
 
 async def async_stream_with_resume(
-    request: web.Request, body: dict[str, Any], headers: dict[str, str], upstream: Upstream
+    request: web.Request,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    upstream: Upstream,
+    stopping: Callable[[], bool] = lambda: False,
 ) -> web.StreamResponse:
     """Stream one chat answer to ``request``'s client, continuing it on the next coordinator when
-    the stream breaks before its end."""
+    the stream breaks before its end, or when the coordinator says it is shutting down (a laptop
+    switched off: its last word is an error chunk with code ``shutdown``), unless this agent is
+    stopping too (``stopping``), when the client gets that chunk as it is."""
     hdrs = {**headers, RESUME_HEADER: "1"}
     try:
         first = await upstream(json.dumps(body).encode(), hdrs)
@@ -133,7 +139,8 @@ async def async_stream_with_resume(
             why = ""
             if up is not None:
                 try:
-                    if await _relay(up, out, ans, ans.resumed > 0, request.headers.get(RESUME_HEADER) == "1"):
+                    keep = request.headers.get(RESUME_HEADER) == "1"
+                    if await _relay(up, out, ans, ans.resumed > 0, keep, stopping):
                         return out
                 except BROKEN as e:
                     why = str(e) or type(e).__name__
@@ -205,9 +212,15 @@ async def _write(aw: Awaitable[Any]) -> None:
 
 
 async def _relay(
-    up: aiohttp.ClientResponse, out: web.StreamResponse, ans: Answer, continuing: bool, keep_ids: bool
+    up: aiohttp.ClientResponse,
+    out: web.StreamResponse,
+    ans: Answer,
+    continuing: bool,
+    keep_ids: bool,
+    stopping: Callable[[], bool],
 ) -> bool:
-    """Pass the coordinator's events on; whether the answer ended ([DONE] or an error event)."""
+    """Pass the coordinator's events on; whether the answer ended ([DONE] or an error event;
+    False: the stream broke, or the coordinator is shutting down while this agent is not)."""
     buf = bytearray()
     async for chunk in up.content.iter_any():
         buf.extend(chunk)
@@ -223,6 +236,9 @@ async def _relay(
             if not isinstance(obj, dict):
                 continue
             if "error" in obj:  # the coordinator's own verdict (the generation failed): the client's too
+                err = obj["error"]
+                if isinstance(err, dict) and err.get("code") == "shutdown" and not stopping():
+                    return False  # its laptop is going away: the next coordinator goes on
                 await _write(out.write(b"data: " + data + b"\n\n"))
                 return True
             taken = ans.take(obj, continuing, keep_ids)

@@ -158,6 +158,10 @@ class LocalAgent:
     def is_member_address(self, ip: str) -> bool:
         return self.daemon is not None and self.daemon.is_member_address(ip)
 
+    @property
+    def stopping(self) -> bool:
+        return self.daemon is not None and self.daemon.stopping
+
     def node_status(self) -> dict[str, Any]:
         d = self.daemon
         if d is not None:
