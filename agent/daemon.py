@@ -357,11 +357,12 @@ class AgentDaemon:
                 log.info("coordinator services stop (term %d)", self.services.term)
                 await self.services.async_stop()
                 self.services = None
-            if leading and self.services is None and want.model and want.key != self._warmed:
-                # the first read of a model's config imports transformers' code for it: seconds, on
-                # a busy laptop enough to miss beats and lose the election, so off the loop first
+            if want.model and want.key != self._warmed:
+                # the first read of a model's config (and tokenizer) imports transformers' code for
+                # it: seconds, on a busy laptop enough to miss beats and lose the election, so off the
+                # loop, and on every member ahead of time, so that taking over never waits for it
                 self._warmed = want.key
-                await asyncio.to_thread(_read_config, want.model)
+                await asyncio.to_thread(_read_config, want.model, self.held)
                 continue  # (still the coordinator, of the same term? the next round sees)
             if leading and self.services is None:
                 s = self.settings
@@ -632,13 +633,19 @@ class AgentDaemon:
         return st
 
 
-def _read_config(model: str) -> None:
-    """Read a stored model's config once (in a worker thread: see ``_coordinate``); failures are
-    the coordinator services' to report."""
-    from agent.models.store import ModelStore
+def _read_config(model: str, held: held_exports.HeldExports) -> None:
+    """Read a model's config once, from the store or from an export of it held here, and load the
+    tokenizer's code (in a worker thread: see ``_coordinate``); failures are the coordinator
+    services' to report."""
+    from agent.models.store import LocalModel, ModelStore
 
     with contextlib.suppress(Exception):
+        from transformers import AutoConfig, AutoTokenizer  # noqa: F401  (the coordinator loads both)
+
         m = ModelStore().get(model)
+        if m is None:
+            found = [h.dir for h in held.scan().values() if h.rel.startswith(f"{model}-")]
+            m = LocalModel.from_export(found[0]) if found else None
         if m is not None:
             m.config()
 

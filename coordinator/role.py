@@ -182,7 +182,7 @@ class CoordinatorRole:
         model = await loop.run_in_executor(None, lambda: ModelStore().resolve(ref, quiet=True))
         weights = self._weights(model.name)
         members: list[Member] = self.members()
-        fp = footprint(model.config(), weights, streams=self.streams)
+        fp = await asyncio.to_thread(lambda: footprint(model.config(), weights, streams=self.streams))
         self.plan = plan_pipeline(
             fp, [m.offer for m in members], streams=self.streams, min_nodes=self.min_nodes, home=self._home(members)
         )
@@ -222,7 +222,7 @@ class CoordinatorRole:
             log.warning("the running stages report other layers than their export: planning afresh")
             return None
         model = await asyncio.to_thread(_model_for, d, meta)
-        fp = footprint(model.config(), weights, streams=self.streams)
+        fp = await asyncio.to_thread(lambda: footprint(model.config(), weights, streams=self.streams))
         stages = tuple(StagePlan(n, lo, hi, 0, 0.0) for n, (lo, hi) in zip(a.nodes, ranges, strict=True))
         self.plan = Plan(stages, 0.0, 0.0)
         return model, weights, fp, members, a

@@ -168,6 +168,7 @@ class Coordinator:
         self.replans: list[dict[str, object]] = []
         self._export_lock = asyncio.Lock()  # one export at a time (the fallback and a recovery share folders)
         self.calibration = CalibrationStore()
+        self._tokenizer: asyncio.Future[ChatTokenizer] | None = None
         self.exported = 0  # exports its plans had to make (not found on disk; the fallback's not counted)
         self.export_id: str | None = None  # the running export's content id
         self.fallback_id: str | None = None  # the split for one node fewer, once prepared
@@ -239,11 +240,8 @@ class Coordinator:
         if not cfg.api:
             cfg.ready.set()
             return
-        assert self.export is not None
-        export_dir = self.export.dir
-        tok = await loop.run_in_executor(
-            None, lambda: ChatTokenizer(export_dir / "tokenizer", export_dir / "config.json")
-        )
+        assert self._tokenizer is not None
+        tok = await self._tokenizer
         state = ApiState(
             model=cfg.model.name,
             tokenizer=tok,
@@ -272,6 +270,9 @@ class Coordinator:
                 None, lambda: export_model(cfg.model, ranges, cfg.opts, quiet=cfg.quiet)
             )
         self.export = export
+        if self._tokenizer is None and cfg.api:  # loaded while the stages compile
+            d = export.dir
+            self._tokenizer = loop.run_in_executor(None, lambda: ChatTokenizer(d / "tokenizer", d / "config.json"))
         export_id = await loop.run_in_executor(None, export_content_id, export)
         self._exports[export_id] = export.stage_dirs()
         self.export_id = export_id

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import threading
 import time
 import urllib.request
@@ -64,15 +65,16 @@ def cluster(tmp_path: Path, smollm2) -> Iterator[LocalCluster]:  # type: ignore[
     # runs find in the shared cache
     speed = tmp_path / "capacity.json"
     probe(cache_file=speed, requested="CPU")
-    with LocalCluster(
-        3,
-        elect=SERVE,
-        names=["ann", "bob", "cid"],
-        config="serve:\n  min_nodes: 2\n",
-        log_dir=tmp_path,
-        capacity=speed,
-    ) as c:
-        yield c
+    c = LocalCluster(
+        3, elect=SERVE, names=["ann", "bob", "cid"], config="serve:\n  min_nodes: 2\n", log_dir=tmp_path, capacity=speed
+    )
+    with c:
+        try:
+            yield c
+        finally:  # the agents' own logs (INFO), for when it fails
+            for i in range(3):
+                for f in (c.home(i) / "logs").glob("*.log"):
+                    shutil.copyfile(f, tmp_path / f"home{i}-{f.name}")
 
 
 async def _stream(port: int, prompt: str, on_token: Any = None) -> tuple[str, list[dict[str, Any]]]:
