@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 
 from agent.elector import LocalNode
-from agent.export.held import FetchError, HeldExports, async_fetch
+from agent.export.held import FetchError, Held, HeldExports, async_fetch
 from agent.protocol import Beat
 from agent.security import transport
 from agent.security.errors import SecurityError
@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 EVERY_S = 1.0
 BACKOFF_S = 5.0
 BACKOFF_MAX_S = 600.0
+WARM_IDLE_S = 5.0  # stages are compiled ahead only after this long without a step (not while serving)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class ExportCopies:
         # what the last coordinator heard said the cluster needs (kept after it dies: its successor
         # may refit the nodes left onto one of these, never onto an old export found on disk)
         self.cluster_needs: tuple[str, ...] = ()
+        self.warmed: set[str] = set()  # stage manifests compiled ahead (OpenVINO's cache holds them)
+        self.warm_failed: set[str] = set()
         self.fetched = 0
         self.progress: dict[str, Any] | None = None
         self.last_error: str | None = None
@@ -91,6 +94,27 @@ class ExportCopies:
             if sources:
                 await self._fetch(export, sources)
                 return  # one at a time
+        await self._warm([held[e] for e in dict.fromkeys(running) if e in held])
+
+    async def _warm(self, exports: list[Held]) -> None:
+        """Compile one stage of the cluster's exports ahead (the next step does the next), while
+        this node is idle and not paused: a takeover then loads it from the compiled-model cache."""
+        if self.me.state == "paused" or self.host.idle_for() < WARM_IDLE_S:
+            return
+        mine = self.host.assignment.manifest_sha256 if self.host.assignment is not None else None
+        for h in exports:
+            for i, sha in enumerate(h.stage_manifests):
+                if sha == mine or sha in self.warmed or sha in self.warm_failed:
+                    continue
+                try:
+                    took = await asyncio.to_thread(self.host.warm, h.dir / f"stage_{i}")
+                except Exception as e:  # a stage this node cannot compile: it is not the one to take it
+                    self.warm_failed.add(sha)
+                    log.info("stage %d of export %s not compiled ahead: %s", i, h.id, e)
+                    return
+                self.warmed.add(sha)
+                log.info("stage %d of export %s compiled ahead in %.1f s (for a takeover)", i, h.id, took)
+                return
 
     async def _fetch(self, export: str, sources: list[HeardPeer]) -> None:
         tr = transport.current()
@@ -127,5 +151,6 @@ class ExportCopies:
             "held": list(self.me.exports),
             "fetching": self.progress,
             "fetched": self.fetched,
+            "compiled_ahead": len(self.warmed),
             "last_error": self.last_error,
         }

@@ -148,6 +148,21 @@ class StageHost:
             return None
         return s
 
+    def warm(self, stage_dir: Path) -> float:
+        """Compile the stage at ``stage_dir`` once and drop it (blocking: a worker thread, never the
+        compute thread): OpenVINO's compiled-model cache then holds it, so that taking it over
+        after a node's loss loads it instead of compiling. The same compile properties as an
+        assignment here would use (device, threads, exactness). Seconds it took."""
+        t0 = time.monotonic()
+        exact = self.assignment.exact if self.assignment is not None else False
+        stage = self._compile(stage_dir, exact, choose_device(assigned_device(self.device, None)))
+        del stage
+        return time.monotonic() - t0
+
+    def idle_for(self) -> float:
+        """Seconds since this stage last computed (forever: it never did)."""
+        return float("inf") if self.last_step_at is None else time.time() - self.last_step_at
+
     def report(self) -> StageReport | None:
         """The stage served now, as beats report it."""
         a, s = self.assignment, self.stage

@@ -103,12 +103,13 @@ class CoordinatorRole:
         if self.model_ref:
             self._task = asyncio.create_task(self._run())
 
-    async def _run(self) -> None:
+    async def _run(self, take_over: bool = True) -> None:
         ref = self.model_ref
         assert ref is not None
         t0 = time.monotonic()
+        taken = None
         try:
-            taken = await self._adopt(ref)
+            taken = await self._adopt(ref) if take_over else None
             if taken is None:
                 model, weights, fp, members = await self._plan(ref)
             else:
@@ -169,6 +170,13 @@ class CoordinatorRole:
         except asyncio.CancelledError:
             raise
         except Exception as e:
+            if taken is not None and self.state != "serving":  # e.g. a kept node died meanwhile
+                log.warning("taking over the running plan failed (%s): planning afresh", e)
+                if self.coordinator is not None:
+                    await self.coordinator.async_stop()
+                    self.coordinator = None
+                await self._run(take_over=False)
+                return
             self.state, self.error = "failed", str(e)
             log.error("cannot form the pipeline: %s", e)
 

@@ -14,6 +14,7 @@ had to export anything.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import statistics
@@ -62,36 +63,65 @@ def serving(c: LocalCluster, among: list[int], timeout: float, ready: bool = Tru
     raise BenchError(f"no coordinator served within {timeout:.0f} s")
 
 
+def _node(c: LocalCluster, i: int) -> dict[str, Any]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{c.api_ports[i]}/v1/node", timeout=5) as r:
+            got = json.loads(r.read())
+            return got if isinstance(got, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def settled(c: LocalCluster, timeout: float, quiet_s: float = 5.0) -> int:
+    """Wait until the cluster is as a takeover expects it (warm): one coordinator serving with its
+    fallback prepared, every node holding a copy of the cluster's exports, nothing changing for
+    ``quiet_s``; the coordinator's index."""
+    deadline = time.monotonic() + timeout
+    last, since = None, time.monotonic()
+    while time.monotonic() < deadline:
+        ci = serving(c, list(range(c.n)), max(1.0, deadline - time.monotonic()))
+        sv = _services(c, ci) or {}
+        needed = set(sv.get("needed_exports") or [])
+        held = [set((_node(c, i).get("exports") or {}).get("held") or []) for i in range(c.n)]
+        state = (ci, tuple(sorted(needed)), tuple(str(p.get("node")) for p in sv.get("plan") or []))
+        if state != last or not all(needed <= h for h in held):
+            last, since = state, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return ci
+        time.sleep(0.5)
+    raise BenchError(f"the cluster did not settle within {timeout:.0f} s")
+
+
 async def stream_ids(port: int, tokens: int, on_token: Any = None) -> tuple[list[int], list[float]]:
-    """A greedy answer through agent ``port``'s local API: its token ids, and when each chunk came."""
+    """A greedy answer through agent ``port``'s local API: its token ids, and when each chunk came
+    (a 503 before it starts, an election under way, is asked again for up to a minute)."""
     body = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": tokens, "temperature": 0}
     ids: list[int] = []
     times: list[float] = []
     timeout = aiohttp.ClientTimeout(total=600)
-    async with (
-        aiohttp.ClientSession() as s,
-        s.post(
-            f"http://127.0.0.1:{port}/v1/chat/completions",
-            json={**body, "stream": True},
-            headers={RESUME_HEADER: "1"},
-            timeout=timeout,
-        ) as r,
-    ):
-        if r.status != 200:
-            raise BenchError(f"HTTP {r.status}: {(await r.text())[:300]}")
-        async for line in r.content:
-            if not line.startswith(b"data: {"):
-                continue
-            obj = json.loads(line[6:])
-            if "error" in obj:
-                raise BenchError(f"the answer failed: {obj['error']}")
-            new = (obj.get("lakeshard") or {}).get("ids") or []
-            if new:
-                ids.extend(new)
-                times.append(time.monotonic())
-                if on_token is not None:
-                    on_token(len(ids))
-    return ids, times
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    deadline = time.monotonic() + 60
+    async with aiohttp.ClientSession() as s:
+        while True:
+            async with s.post(url, json={**body, "stream": True}, headers={RESUME_HEADER: "1"}, timeout=timeout) as r:
+                if r.status == 503 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.5)
+                    continue
+                if r.status != 200:
+                    raise BenchError(f"HTTP {r.status}: {(await r.text())[:300]}")
+                async for line in r.content:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    obj = json.loads(line[6:])
+                    if "error" in obj:
+                        raise BenchError(f"the answer failed: {obj['error']}")
+                    new = (obj.get("lakeshard") or {}).get("ids") or []
+                    if new:
+                        ids.extend(new)
+                        times.append(time.monotonic())
+                        if on_token is not None:
+                            on_token(len(ids))
+                return ids, times
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -117,7 +147,7 @@ def _trials(args: argparse.Namespace, serve: list[str], config: str, speed: Path
         ref, _ = aio.run(stream_ids(c.api_ports[far], args.tokens))
         _say(f"reference: {len(ref)} tokens through agent {far}, coordinator {ci}")
         for trial in range(args.trials):
-            ci = serving(c, list(range(args.nodes)), 1800)
+            ci = settled(c, 1800)
             far = next(i for i in range(args.nodes) if i != ci)
             at = rng.randrange(5, max(6, len(ref) - 5))
             killed: list[float] = []
