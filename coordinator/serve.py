@@ -233,8 +233,7 @@ class Coordinator:
         self.scheduler = Scheduler(self.pipeline, cfg.max_streams, spec, ring_loop=cfg.ring_loop)
         if cfg.failover:
             self.scheduler.recover = self.async_recover
-            if len(cfg.nodes) > 1:  # have the split for one node fewer ready before it is needed
-                self._spare = asyncio.create_task(self._prepare_fallback(len(cfg.nodes) - 1))
+            self._fallback_for(cfg.nodes)
         if cfg.rebalance:
             self._rebalancer = asyncio.create_task(self._auto_rebalance())
         if not cfg.api:
@@ -315,6 +314,7 @@ class Coordinator:
             if self.scheduler is not None:
                 self.scheduler.set_pipeline(new)
             self.replans.append({"nodes": list(nodes), "term": self.term, "seconds": round(time.monotonic() - t0, 3)})
+            self._fallback_for(nodes)
             if old is not None:
                 old.mark_lost("-", f"re-planned onto {len(nodes)} node(s) in term {self.term}")
                 await old.async_close()
@@ -367,6 +367,14 @@ class Coordinator:
                 if await self.async_rebalance() is not None:
                     return
 
+    def _fallback_for(self, nodes: Sequence[str]) -> None:
+        """Have the split for one node fewer ready before it is needed (again after every re-plan)."""
+        if self._spare is not None and not self._spare.done():
+            self._spare.cancel()
+        self.fallback_id = None
+        if self.cfg.failover and len(nodes) > 1:
+            self._spare = asyncio.create_task(self._prepare_fallback(len(nodes) - 1))
+
     async def _prepare_fallback(self, n: int) -> None:
         cfg = self.cfg
         try:
@@ -405,6 +413,7 @@ class Coordinator:
             self.scheduler.set_pipeline(new)
             seconds = round(time.monotonic() - t0, 3)
             self.recoveries.append({"lost": failed.lost, "nodes": live, "term": self.term, "seconds": seconds})
+            self._fallback_for(live)
             lost = failed.lost or "?"
             self.hub.publish(Failover(time.time(), self.node_ids.get(lost, lost), seconds, self.term))
             failed.mark_lost(failed.lost or "?")

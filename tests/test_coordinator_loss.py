@@ -28,7 +28,7 @@ from coordinator.local_cluster import LocalCluster
 from tests.conftest import PROMPTS
 from tests.figures import report
 
-SERVE = ["--serve-model", "smollm2-135m", "--serve-weights", "int8", "--serve-exact"]
+SERVE = ["--serve-model", "smollm2-135m", "--serve-weights", "int8", "--serve-exact", "--serve-api-port", "0"]
 TOKENS = 120
 
 

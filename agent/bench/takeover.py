@@ -32,7 +32,7 @@ from agent.bench.failover import QUESTION, compare
 from agent.bench.pipeline import BenchError
 from agent.capacity import probe
 from agent.resume import RESUME_HEADER
-from coordinator.local_cluster import LocalCluster
+from coordinator.local_cluster import LocalCluster, free_port
 
 
 def _say(msg: str) -> None:
@@ -129,6 +129,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise BenchError("--nodes must be at least 2 (a takeover needs a survivor)")
     rng = random.Random(args.seed)
     serve = ["--serve-model", args.model, "--serve-weights", args.weights, "--serve-exact"]
+    serve += ["--serve-api-port", str(free_port())]  # (another cluster on this machine may have 8000)
     config = f"serve:\n  min_nodes: {min(args.nodes, 2)}\n"
     with tempfile.TemporaryDirectory(prefix="lakeshard-bench-takeover-") as tmp:
         speed = Path(tmp) / "capacity.json"  # identical laptops: one plan, exported once (then cached)
