@@ -7,7 +7,10 @@ split for one node fewer, prepared in advance). Once a second this node looks at
 cluster; an export that runs there, or that the coordinator says is needed, and that it does not
 hold is fetched from a peer that announces it (the coordinator first), one at a time, when the
 disk has room for it (a failure backs off, doubling). What it holds, and the stage it serves, go
-into its own beats.
+into its own beats. While the node is idle (no step for a few seconds, not paused) it also
+compiles those exports' stages once, one a second at most, and drops them: OpenVINO's
+compiled-model cache then holds them, so a stage that moves here in a takeover loads instead of
+compiling.
 """
 
 from __future__ import annotations

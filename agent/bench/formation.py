@@ -4,7 +4,7 @@ Three agent processes on loopback, each with a home of its own (its identity, cl
 credentials, logs and compiled-model cache), form a new cluster the way the tray does (``init``
 on the first, ``invite`` there, ``join`` on the others, through their local APIs: mutual TLS from
 then on), the cluster's model is set on one of them, and a chat question is asked through
-another's local API. ``cold_s``: the first time, with empty export and compile caches (the model
+another's local API (the model set once, on the first, as in the tray's Settings). ``cold_s``: the first time, with empty export and compile caches (the model
 itself is already in the store: ``lakeshard models pull`` is its own step). ``warm_s``: again
 with brand-new identities but the caches the first run left (a cluster formed again on laptops
 that served before). Both count from the agents' start to the answer's first token.
@@ -18,13 +18,14 @@ import shutil
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from agent import paths
 from agent.bench.pipeline import BenchError
-from coordinator.local_cluster import LocalCluster
+from coordinator.local_cluster import LocalCluster, free_port
 
 NODES = 3
 QUESTION = "Say hello to the office."
@@ -55,13 +56,33 @@ def _first_token(port: int, timeout: float) -> float:
     raise BenchError(f"no answer within {timeout:.0f} s")
 
 
+def _set_model(port: int, model: str, weights: str) -> None:
+    """What the admin does in the tray's Settings: the cluster's model, set on one laptop."""
+    body = json.dumps({"model": model, "weights": weights}).encode()
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/cluster/model",
+        data=body,
+        method="PUT",
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            r.read()
+    except urllib.error.HTTPError as e:
+        raise BenchError(f"the cluster's model was refused: {e.read().decode(errors='replace')[:300]}") from None
+
+
 def _form(root: Path, model: str, weights: str, timeout: float) -> float:
     """Seconds from the agents' start to the first token of the first answer."""
     homes = [{"LAKESHARD_HOME": str(root / f"agent{i}")} for i in range(NODES)]
-    shared = {"LAKESHARD_SHARED_CACHE": str(root / "shared"), "LAKESHARD_MODELS_DIR": str(paths.models_dir())}
-    config = f"serve:\n  model: {model}\n  weights: {weights}\n"
+    shared = {
+        "LAKESHARD_SHARED_CACHE": str(root / "shared"),
+        "LAKESHARD_MODELS_DIR": str(paths.models_dir()),
+    }
+    api = ["--serve-api-port", str(free_port())]  # (another cluster on this machine may have 8000)
     t0 = time.monotonic()
-    with LocalCluster(NODES, elect=[], secure=True, form=True, env=shared, agent_envs=homes, config=config) as c:
+    with LocalCluster(NODES, elect=api, secure=True, form=True, env=shared, agent_envs=homes) as c:
+        _set_model(c.api_ports[0], model, weights)
         got = _first_token(c.api_ports[-1], timeout)
     return got - t0
 
