@@ -3,9 +3,10 @@
 Three agent processes on loopback, each with a home of its own (its identity, cluster
 credentials, logs and compiled-model cache), form a new cluster the way the tray does (``init``
 on the first, ``invite`` there, ``join`` on the others, through their local APIs: mutual TLS from
-then on), the cluster's model is set on one of them, and a chat question is asked through
-another's local API (the model set once, on the first, as in the tray's Settings). ``cold_s``: the first time, with empty export and compile caches (the model
-itself is already in the store: ``lakeshard models pull`` is its own step). ``warm_s``: again
+then on), the cluster's model is set on the first (as in the tray's Settings), and a chat
+question is asked through another's local API. ``cold_s``: the first time, with empty export
+and compile caches (the model itself is already in the store: ``lakeshard models pull`` is its
+own step). ``warm_s``: again
 with brand-new identities but the caches the first run left (a cluster formed again on laptops
 that served before). Both count from the agents' start to the answer's first token.
 """
