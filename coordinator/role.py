@@ -36,6 +36,7 @@ from agent.security import transport
 from agent.security.errors import SecurityError
 from coordinator.limits import TOTAL_INFLIGHT, Limits
 from coordinator.planner import NodeOffer, Plan, PlanError, StagePlan, footprint, plan_pipeline
+from coordinator.preparing import Preparer
 from coordinator.serve import Coordinator, ServeConfig
 from coordinator.takeover import Adoption, Held, Running, adopt
 
@@ -92,6 +93,7 @@ class CoordinatorRole:
         self.nodes = nodes
         self.cluster = cluster
         self.hub = EventHub(self.cluster_view)
+        self.prep = Preparer(model or "", self.hub.publish)  # its steps, on the event stream
         self.adopted: dict[str, Any] | None = None  # a running plan taken over: what was kept and moved
         self._pulling: asyncio.Task[None] | None = None
 
@@ -105,6 +107,7 @@ class CoordinatorRole:
         assert ref is not None
         t0 = time.monotonic()
         try:
+            self.prep.planning()
             taken = await self._adopt(ref)
             if taken is None:
                 model, weights, fp, members = await self._plan(ref)
@@ -134,6 +137,7 @@ class CoordinatorRole:
                 wire_dtype="f32" if self.exact else "f16",
                 home=self.my_address,
                 events=self.hub,
+                preparing=self.prep,
                 cluster_id=self.cluster,
                 api_limits=self.api_limits,
             )
@@ -166,6 +170,7 @@ class CoordinatorRole:
             raise
         except Exception as e:
             self.state, self.error = "failed", str(e)
+            self.prep.failed(self.error)
             log.error("cannot form the pipeline: %s", e)
 
     async def _plan(self, ref: str) -> tuple[LocalModel, str, Any, list[Member]]:
@@ -175,7 +180,8 @@ class CoordinatorRole:
         while time.monotonic() - t0 < PROBE_WAIT_S and not all(m.measured for m in self.members()):
             await asyncio.sleep(0.25)
         loop = asyncio.get_running_loop()
-        model = await loop.run_in_executor(None, lambda: ModelStore().resolve(ref, quiet=True))
+        told = self.prep.pull_progress(loop)
+        model = await loop.run_in_executor(None, lambda: ModelStore().resolve(ref, quiet=True, progress=told))
         weights = self._weights(model.name)
         members: list[Member] = self.members()
         fp = footprint(model.config(), weights, streams=self.streams)
@@ -305,6 +311,9 @@ class CoordinatorRole:
             return "the coordinator serves no model: set serve.model in its settings (or --serve-model)"
         if self.state == "failed":
             return f"the coordinator could not form the pipeline: {self.error}"
+        p = self.prep.current
+        if p is not None and p.step not in ("ready", "failed"):
+            return f"the coordinator is preparing {p.model}: {p.describe()}"
         return f"the coordinator is still forming the pipeline ({self.state})"
 
     def cluster_view(self) -> ClusterView:
@@ -340,6 +349,7 @@ class CoordinatorRole:
             nodes=tuple(sorted(nodes, key=lambda n: n.node)),
             streams=sched.active if sched else 0,
             waiting=sched.waiting if sched else 0,
+            preparing=self.prep.current,
         )
 
     def status(self) -> dict[str, Any]:
