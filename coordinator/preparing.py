@@ -34,7 +34,7 @@ from agent.security.errors import SecurityError
 from agent.stage_host import OPTIONAL_FILES, STAGE_FILES
 
 log = logging.getLogger(__name__)
-POLL_S = 0.5  # how often the agents being assigned are asked how far they are
+POLL_S = 0.25  # how often the agents being assigned are asked how far they are
 
 
 class Assigning(Protocol):

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -30,6 +34,7 @@ from agent.protocol.events import (
     parse_event,
 )
 from coordinator.preparing import Preparer, node_key, node_step, sent_percent, stage_files
+from tests.figures import report
 
 A = NodeInfo("aaa", "laptop-a", "10.0.0.1:7700", "coordinator", "available")
 B = NodeInfo("bbb", "laptop-b", "10.0.0.2:7700", "follower", "available")
@@ -258,3 +263,150 @@ def test_a_pull_reports_each_package_downloaded_then_assembling(  # type: ignore
         (90.0, "assembling"),
         (99.0, "reading its tokenizer"),
     ]
+
+
+async def _preparation_events(port: int, deadline: float) -> list[dict[str, Any]]:
+    """Agent ``port``'s event stream, from when its local API answers until the preparation is
+    ready or failed: every message, as JSON."""
+    import aiohttp
+
+    seen: list[dict[str, Any]] = []
+    async with aiohttp.ClientSession() as s:
+        while True:
+            try:
+                ws = await s.ws_connect(f"http://127.0.0.1:{port}/v1/cluster/events")
+                break
+            except aiohttp.ClientError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+        async with ws:
+            while time.monotonic() < deadline:
+                m = await ws.receive(timeout=max(deadline - time.monotonic(), 0.1))
+                if m.type != aiohttp.WSMsgType.TEXT:
+                    break
+                seen.append(json.loads(m.data))
+                prep = seen[-1].get("preparing") or (seen[-1].get("view") or {}).get("preparing") or {}
+                if prep.get("step") in ("ready", "failed"):
+                    break
+    return seen
+
+
+@pytest.mark.slow
+def test_a_fresh_cluster_shows_exporting_compiling_and_ready_on_its_stream_and_in_status_watch(  # type: ignore[no-untyped-def]
+    smollm2, tmp_path: Path
+) -> None:
+    """One elected agent serving SmolLM2 with fp16 weights, its export cache empty (so the export
+    really runs): its local event stream carries exporting (stage 1 of 1), compiling, ready, in
+    that order; ``lakeshard status --watch`` prints them, and not every percent."""
+    from agent.paths import models_dir
+    from coordinator.local_cluster import LocalCluster, free_port
+
+    env = {"LAKESHARD_SHARED_CACHE": str(tmp_path / "shared"), "LAKESHARD_MODELS_DIR": str(models_dir())}
+    serve = ["--serve-model", "smollm2-135m", "--serve-weights", "fp16", "--serve-api-port", str(free_port())]
+    t0 = time.monotonic()
+    with LocalCluster(1, elect=serve, env=env, log_dir=tmp_path) as c:
+        port = c.api_ports[0]
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "agent", "status", "--watch", "--api-port", str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **env},
+        )
+        try:
+            events = asyncio.run(_preparation_events(port, time.monotonic() + 480))
+            ready_s = time.monotonic() - t0
+            time.sleep(1.0)  # (status --watch prints the last step)
+        finally:
+            watch.terminate()
+            out, _ = watch.communicate(timeout=30)
+    preps = [e.get("preparing") or (e.get("view") or {}).get("preparing") for e in events]
+    preps = [p for p in preps if p]
+    steps = [p["step"] for p in preps]
+    assert steps and steps[-1] == "ready", (steps, (tmp_path / "agent0.log").read_text()[-3000:])
+    compiling = [
+        i for i, p in enumerate(preps) if p["step"] == "compiling" or "compiling" in {n["step"] for n in p["nodes"]}
+    ]
+    exporting = [i for i, p in enumerate(preps) if p["step"] == "exporting"]
+    assert exporting and compiling, steps
+    assert max(exporting) < min(compiling) < steps.index("ready")
+    assert {(p["stage"], p["stages"]) for p in preps if p["step"] == "exporting"} == {(0, 1)}
+    percents = [p["percent"] for p in preps if p["step"] == "exporting"]
+    assert percents == sorted(percents) and percents[-1] == 100.0
+    # within the stage, its phases (each lasts seconds: none falls between the relay's reads)
+    assert "converting to OpenVINO" in {p["detail"] for p in preps if p["step"] == "exporting"}, preps
+    lines = out.splitlines()
+    said = [ln for ln in lines if "preparing smollm2-135m:" in ln]
+    assert any("exporting stage 1 of 1" in ln for ln in said), out
+    assert any(": compiling" in ln for ln in said) and said[-1].endswith("preparing smollm2-135m: ready"), out
+    report(
+        f"preparation visible: fp16 export of smollm2-135m to ready in {ready_s:.0f} s from launch; "
+        f"{len(preps)} preparing events, {len(said)} status --watch lines"
+    )
+
+
+class _Here:
+    """The gateway's view of a daemon that coordinates itself (agent.gateway.Door): its hub."""
+
+    def __init__(self, hub: EventHub) -> None:
+        self.hub = hub
+        self.session: Any = None
+
+    def coordinator_target(self) -> Any:
+        from agent.gateway import Target
+
+        return Target("aaa", api=None, hub=self.hub, not_ready="preparing")
+
+    def is_member_address(self, ip: str) -> bool:
+        return False
+
+
+async def test_the_local_relay_passes_on_every_percent_the_hub_diffs() -> None:
+    """The hub diffs on a 0.25 s beat, and the local API's relay checks on the same beat: no
+    percent may fall between the two (the chat's banner and status --watch read the relay)."""
+    import aiohttp
+    from aiohttp import web
+
+    from agent.gateway import add_local_routes
+
+    ticks = iter(range(1000))
+    hub = EventHub(lambda: replace(V, preparing=replace(EXPORTING, percent=float(min(next(ticks), 100)))))
+    hub.start()
+    app = web.Application()
+    add_local_routes(app, _Here(hub))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/cluster/events"
+    seen: list[float] = []
+    try:
+        async with aiohttp.ClientSession() as s, s.ws_connect(url) as ws:
+            while len(seen) < 16:
+                ev = parse_event((await ws.receive(timeout=10)).data)
+                p = (
+                    ev.view.preparing
+                    if isinstance(ev, Snapshot)
+                    else ev.preparing
+                    if isinstance(ev, Preparing)
+                    else None
+                )
+                if p is not None and p.percent is not None:
+                    seen.append(p.percent)
+    finally:
+        await hub.async_stop()
+        await runner.cleanup()
+    assert seen == [seen[0] + i for i in range(16)], seen
+
+
+def test_an_exports_phases_move_its_percent_forward_only() -> None:
+    from agent.export.exporter import _phase_reporter
+
+    heard: list[tuple[int, int, float, str | None]] = []
+    on_phase = _phase_reporter(lambda *a: heard.append(a), 1, 2)
+    for line in ["reading tensors", "a warning", "converting to OpenVINO", "compressing weights (NNCF)", "saving"]:
+        on_phase(line)
+    on_phase("converting the head part (vocabulary rows 0..9)")
+    on_phase("compressing weights to int8 (NNCF)")  # the head's: after the layers were saved
+    shares = [f for _, _, f, _ in heard]
+    assert shares == sorted(shares) and len(heard) == 6 and heard[-1][3] == "compressing weights"

@@ -20,6 +20,7 @@ INFO = "background:#e0f2fe;color:#0c4a6e;padding:6px;border-radius:4px"
 WARN = "background:#fef3c7;color:#78350f;padding:6px;border-radius:4px"
 ERROR = "background:#fee2e2;color:#7f1d1d;padding:6px;border-radius:4px"
 RECONNECT_S = 2.0
+LONG = "(A model's first start can take several minutes; later starts reuse its stages.)"
 
 
 def banner(p: Preparation | None, said: str | None, pending: bool) -> tuple[str, str, float | None]:
@@ -34,7 +35,7 @@ def banner(p: Preparation | None, said: str | None, pending: bool) -> tuple[str,
         )
         return text, ERROR, None
     if p is not None and p.step != "ready":
-        text = f"Preparing {p.model}: {p.describe()}\nThe chat answers once the model is ready.{then}"
+        text = f"Preparing {p.model}: {p.describe()}\nThe chat answers once the model is ready.{then} {LONG}"
         return text, INFO, p.percent
     why = (said or "the coordinator is not ready yet").strip()
     return f"{why[:1].upper()}{why[1:]}.\nThe chat answers once it is ready.{then}", INFO, None

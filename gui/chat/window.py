@@ -469,7 +469,7 @@ class ChatWindow(QMainWindow):
         self.prep_bar.setVisible(pct is not None)
         self.prep_bar.setValue(round(pct or 0))
         p = self.preparing
-        self.model.setPlaceholderText(f"{p.model} (preparing…)" if p is not None and p.step != "failed" else "")
+        self.model.setPlaceholderText(p.model if p is not None and p.step != "failed" else "")  # (greyed: not yet)
 
     def _on_view(self, view: ClusterView | None) -> None:
         """The event stream's latest picture of the cluster (while the coordinator prepares)."""
