@@ -217,6 +217,8 @@ def format_status(node: dict[str, Any], cluster: dict[str, Any]) -> str:
         if sv["api"]:
             api = f", API {sv['api']}" + (f" (limits: {sv['api_limits']})" if sv.get("api_limits") else "")
         lines.append(f"coordinator services: {sv['state']} {sv['model']}{api}")
+        if sv.get("preparing"):
+            lines.append(f"  preparing: {sv['preparing']}")
         for i, st in enumerate(sv["plan"]):
             a, b = st["layers"]
             lines.append(f"  stage {i}: layers {a}..{b - 1} on {st['node']} ({st['address']})")

@@ -114,6 +114,7 @@ class CoordinatorRole:
             else:
                 model, weights, fp, members, adoption = taken
             self.addresses = {m.offer.node: m.address for m in members}
+            self.prep.model = model.name  # (the reference may be a path)
             assert self.plan is not None
             nodes = [self.addresses[n] for n in self.plan.nodes]
             log.info("plan: %s", _describe(self.plan))
@@ -379,6 +380,7 @@ class CoordinatorRole:
             "adopted": self.adopted,
             "needed_exports": self.needed_exports(),
             "exported": c.exported if c is not None else 0,
+            "preparing": _preparing(self.prep),
             "error": self.error,
         }
 
@@ -456,3 +458,9 @@ def _speculation(c: Coordinator | None) -> dict[str, Any] | None:
     if spec is None:
         return None
     return {**spec.counters.summary(), "declined": spec.counters.declined}
+
+
+def _preparing(prep: Preparer) -> str | None:
+    """The preparation under way, in words (None: none, or it is over)."""
+    p = prep.current
+    return p.describe() if p is not None and p.step not in ("ready", "failed") else None

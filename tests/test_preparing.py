@@ -333,7 +333,7 @@ def test_a_fresh_cluster_shows_exporting_compiling_and_ready_on_its_stream_and_i
     assert max(exporting) < min(compiling) < steps.index("ready")
     assert {(p["stage"], p["stages"]) for p in preps if p["step"] == "exporting"} == {(0, 1)}
     percents = [p["percent"] for p in preps if p["step"] == "exporting"]
-    assert percents == sorted(percents) and percents[-1] == 100.0
+    assert percents == sorted(percents) and percents[0] < percents[-1]
     # within the stage, its phases (each lasts seconds: none falls between the relay's reads)
     assert "converting to OpenVINO" in {p["detail"] for p in preps if p["step"] == "exporting"}, preps
     lines = out.splitlines()
