@@ -156,7 +156,7 @@ async def test_steps_are_published_as_they_happen_and_a_late_subscriber_gets_the
     late = hub.subscribe()
     snap = await late.get()
     assert isinstance(snap, Snapshot) and snap.view.preparing == prep.current
-    prep.failed("stage 1 failed: out of memory")
+    prep.failed("exporting stage 2 of 2 failed: out of memory")
     end = await asyncio.wait_for(late.get(), 5)
     assert isinstance(end, Preparing) and end.preparing is not None and end.preparing.step == "failed"
     assert {n.step for n in end.preparing.nodes} == {"failed"} and "out of memory" in (end.preparing.error or "")
@@ -409,4 +409,4 @@ def test_an_exports_phases_move_its_percent_forward_only() -> None:
     on_phase("converting the head part (vocabulary rows 0..9)")
     on_phase("compressing weights to int8 (NNCF)")  # the head's: after the layers were saved
     shares = [f for _, _, f, _ in heard]
-    assert shares == sorted(shares) and len(heard) == 6 and heard[-1][3] == "compressing weights"
+    assert shares == sorted(shares) and len(heard) == 5 and heard[-1][3] == "converting the head part"

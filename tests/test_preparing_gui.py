@@ -153,7 +153,7 @@ def test_a_failed_preparation_says_why_and_what_to_do(
 ) -> None:
     w = window()
     run(qloop, until("the first step", lambda: "exporting stage 1 of 3" in w.banner.text()))
-    agent.say(Preparation(MODEL, "failed", error="exporting stage 0 failed: MemoryError"))
+    agent.say(Preparation(MODEL, "failed", error="exporting stage 1 of 3 failed: MemoryError"))
     run(qloop, until("the failure", lambda: "could not prepare smollm2-135m" in w.banner.text()))
     assert "MemoryError" in w.banner.text() and "Open logs folder" in w.banner.text()
     assert w.banner.styleSheet() == preparing.ERROR and not w.prep_bar.isVisibleTo(w)

@@ -214,14 +214,15 @@ def _model_info(model: LocalModel) -> dict[str, Any]:
 
 def _phase_reporter(progress: ExportProgress, i: int, n: int) -> Callable[[str], None]:
     """The worker's announced phases (``PHASES``) as progress through stage ``i``; never back
-    (the head part's weights are compressed after the layers' are saved)."""
+    (the head part's weights are compressed after the layers' are saved: that is part of it)."""
     done = [0.0]
 
     def on_phase(line: str) -> None:
         for prefix, share in PHASES:
             if line.startswith(prefix):
-                done[0] = max(done[0], share)
-                progress(i, n, done[0], prefix)
+                if share > done[0]:
+                    done[0] = share
+                    progress(i, n, share, prefix)
                 return
 
     return on_phase
@@ -262,7 +263,8 @@ def _run_stage_job(
     if proc.returncode != 0:
         lines = [ln for ln in tail if ln.strip()]
         err = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1] if lines else "no output")
-        raise ExportError(f"exporting stage {job['spec']['index']} failed: {err}")
+        spec = job["spec"]  # (counted from 1, as the progress shown while it runs)
+        raise ExportError(f"exporting stage {spec['index'] + 1} of {spec['count']} failed: {err}")
     result: dict[str, Any] = json.loads("".join(out).strip().splitlines()[-1])
     return result
 
