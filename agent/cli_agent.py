@@ -8,7 +8,10 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agent.protocol.events import Preparation
 
 
 class AgentCliError(Exception):
@@ -217,6 +220,8 @@ def format_status(node: dict[str, Any], cluster: dict[str, Any]) -> str:
         if sv["api"]:
             api = f", API {sv['api']}" + (f" (limits: {sv['api_limits']})" if sv.get("api_limits") else "")
         lines.append(f"coordinator services: {sv['state']} {sv['model']}{api}")
+        if sv.get("preparing"):
+            lines.append(f"  preparing: {sv['preparing']}")
         for i, st in enumerate(sv["plan"]):
             a, b = st["layers"]
             lines.append(f"  stage {i}: layers {a}..{b - 1} on {st['node']} ({st['address']})")
@@ -238,7 +243,9 @@ def watch(port: int, as_json: bool = False) -> int:
     import aiohttp
 
     from agent.protocol.codec import ProtocolError
-    from agent.protocol.events import MAX_EVENT_BYTES, apply_event, parse_event
+    from agent.protocol.events import MAX_EVENT_BYTES, Preparing, Snapshot, apply_event, parse_event
+
+    steps = PrepLines()
 
     async def follow() -> None:
         view = None
@@ -256,7 +263,12 @@ def watch(port: int, as_json: bool = False) -> int:
                     print(f"(an event that does not parse: {e})", flush=True)
                     continue
                 view = apply_event(view, ev)
+                if isinstance(ev, Preparing) and not steps.news(ev.preparing, time.monotonic()):
+                    continue  # (a percent update too soon after the last one printed)
                 print(event_line(ev), flush=True)
+                if isinstance(ev, Snapshot) and ev.view.preparing is not None:
+                    steps.news(ev.view.preparing, time.monotonic())
+                    print(event_line(Preparing(ev.at, ev.view.preparing)), flush=True)
 
     try:
         asyncio.run(follow())
@@ -292,6 +304,14 @@ def event_line(ev: Any) -> str:
         return f"{t} plan {ev.service} (term {ev.term}): {ring or 'no stages'}"
     if isinstance(ev, E.Failover):
         return f"{t} failover: lost {ev.lost}, resumed in {ev.seconds:.1f} s (term {ev.term})"
+    if isinstance(ev, E.Preparing):
+        p = ev.preparing
+        if p is None:
+            return f"{t} preparing: nothing"
+        nodes = ""
+        if p.step in ("sending", "compiling") and len(p.nodes) > 1:
+            nodes = "; " + ", ".join(f"{n.node} {n.describe()}" for n in p.nodes)
+        return f"{t} preparing {p.model}: {p.describe()}{nodes}"
     if isinstance(ev, E.CoordinatorLost):
         return f"{t} coordinator {ev.coordinator or '?'} lost; waiting for the next"
     if isinstance(ev, E.StreamStarted):
@@ -300,3 +320,25 @@ def event_line(ev: Any) -> str:
         rate = f", {ev.tok_s:.1f} tok/s" if ev.tok_s else ""
         return f"{t} stream {ev.stream} {ev.outcome}: {ev.tokens} tokens{rate} on {', '.join(ev.nodes)}"
     return f"{t} {ev.TYPE}"
+
+
+class PrepLines:
+    """Which preparation updates ``status --watch`` prints: every new step (a step, a stage, a
+    node's step) once; the same step's percent only after ``every_s`` or ``points`` more."""
+
+    def __init__(self, every_s: float = 5.0, points: float = 10.0) -> None:
+        self.every_s, self.points = every_s, points
+        self.last: Preparation | None = None  # the step last printed
+        self.at = 0.0
+
+    def news(self, p: Preparation | None, now: float) -> bool:
+        """Whether ``p`` (None: nothing prepared) is worth a line at ``now`` (monotonic seconds)."""
+        last = self.last
+        if p is None or last is None or p.steps() != last.steps():
+            fresh = not (p is None and last is None)
+        else:
+            moved = p.percent is not None and abs(p.percent - (last.percent or 0.0)) >= self.points
+            fresh = p.percent != last.percent and (moved or now - self.at >= self.every_s)
+        if fresh:
+            self.last, self.at = p, now
+        return fresh

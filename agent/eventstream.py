@@ -28,6 +28,7 @@ from agent.protocol.events import (
     NodeJoined,
     NodeLeft,
     PlanChanged,
+    Preparing,
     Snapshot,
     apply_event,
 )
@@ -68,7 +69,7 @@ def diff(old: ClusterView | None, new: ClusterView, at: float) -> list[Event]:
     """The events that take a reader from ``old`` to ``new`` (pure).
 
     A new coordinator or term is a new snapshot; otherwise nodes that appeared, disappeared
-    or changed what a node map shows, and a moved plan.
+    or changed what a node map shows, a moved plan, and the preparation's progress.
     """
     if old is None or (old.coordinator, old.term, old.cluster) != (new.coordinator, new.term, new.cluster):
         return [Snapshot(at, new)]
@@ -91,6 +92,8 @@ def diff(old: ClusterView | None, new: ClusterView, at: float) -> list[Event]:
     plan_new = (new.ring, tuple(_layers_of(new)), new.model, new.service)
     if plan_old != plan_new:
         out.append(PlanChanged(at, new.ring, tuple(_layers_of(new)), new.model, new.service, new.term))
+    if old.preparing != new.preparing:  # (steps are published as they happen; this brings their percent)
+        out.append(Preparing(at, new.preparing))
     return out
 
 

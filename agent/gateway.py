@@ -268,21 +268,29 @@ def _still(door: Door, t: Target) -> bool:
 
 
 async def _relay_hub(ws: web.WebSocketResponse, hub: EventHub, door: Door, gone: asyncio.Event) -> None:
-    """This node coordinates: its own hub, until it no longer does (or the client leaves)."""
+    """This node coordinates: its own hub, until it no longer does (or the client leaves).
+
+    The next event is awaited by one future across the checks: cancelling a read at a check
+    (``wait_for``'s timeout) could drop an event taken off the queue at that moment, and the
+    hub's diffs come on the same 0.25 s beat as the checks."""
     sub = hub.subscribe()
+    nxt = asyncio.ensure_future(sub.get())
     try:
         while not gone.is_set():
-            try:
-                ev = await asyncio.wait_for(sub.get(), RECHECK_S)
-            except TimeoutError:
+            done, _ = await asyncio.wait({nxt}, timeout=RECHECK_S)
+            if not done:
                 now = door.coordinator_target()
                 if now is None or now.hub is not hub:
                     return
                 continue
+            try:
+                ev = nxt.result()
             except HubClosed:
                 return
             await ws.send_str(ev.to_json())
+            nxt = asyncio.ensure_future(sub.get())
     finally:
+        nxt.cancel()
         sub.close()
 
 

@@ -105,6 +105,7 @@ class StageHost:
         self.compute_s = 0.0  # time spent in inference (on the compute thread)
         self.recent_ms: collections.deque[float] = collections.deque(maxlen=256)
         self.fetching: dict[str, Any] | None = None  # the stage file being downloaded, with progress
+        self.preparing: str | None = None  # what an assignment does now: "fetching" or "compiling" its stage
         self.held: HeldExports | None = None  # exports this node holds whole: their stages need no download
         self.reused = 0  # assignments of the stage already compiled here (a new coordinator took over)
 
@@ -120,11 +121,15 @@ class StageHost:
             raise ProtocolError("bad_device", str(e)) from None
         stage = self._same_stage(msg)
         if stage is None:
-            stage_dir = await self._artifacts(msg)
             try:
+                self.preparing = "fetching"
+                stage_dir = await self._artifacts(msg)
+                self.preparing = "compiling"
                 stage = await self.compute.async_run(self._compile, stage_dir, msg.exact, device)
             except DeviceError as e:
                 raise ProtocolError("bad_device", str(e)) from None
+            finally:
+                self.preparing = None
         else:
             self.reused += 1
             log.info("stage %d of term %d: the same files as before, kept compiled", msg.stage, msg.term)
@@ -488,6 +493,7 @@ class StageHost:
             "step_ms_p50": round(statistics.median(self.recent_ms), 3) if self.recent_ms else None,
             "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
             "fetching": self.fetching,
+            "preparing": self.preparing,
             "export": None if a is None else a.export_id,
             "term": None if a is None else a.term,
             "reused": self.reused,

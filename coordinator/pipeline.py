@@ -166,6 +166,11 @@ class Pipeline:
         )
         await self._link.async_connect()
 
+    def replied(self, i: int) -> bool:
+        """Whether stage ``i``'s agent has answered its assignment (its stage is ready, or refused)."""
+        reply = self._replies[i] if i < len(self._replies) else None
+        return reply is not None and reply.done()
+
     async def _connect(self, node: str, timeout: float) -> aiohttp.ClientWebSocketResponse:
         assert self._session is not None
         deadline = time.monotonic() + min(timeout, 60.0)

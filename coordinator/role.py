@@ -36,6 +36,7 @@ from agent.security import transport
 from agent.security.errors import SecurityError
 from coordinator.limits import TOTAL_INFLIGHT, Limits
 from coordinator.planner import NodeOffer, Plan, PlanError, StagePlan, footprint, plan_pipeline
+from coordinator.preparing import Preparer
 from coordinator.serve import Coordinator, ServeConfig
 from coordinator.takeover import Adoption, Held, Running, adopt
 
@@ -95,6 +96,7 @@ class CoordinatorRole:
         self.nodes = nodes
         self.cluster = cluster
         self.hub = EventHub(self.cluster_view)
+        self.prep = Preparer(model or "", self.hub.publish)  # its steps, on the event stream
         self.adopted: dict[str, Any] | None = None  # a running plan taken over: what was kept and moved
         self._pulling: asyncio.Task[None] | None = None
 
@@ -109,12 +111,14 @@ class CoordinatorRole:
         t0 = time.monotonic()
         taken = None
         try:
+            self.prep.planning()
             taken = await self._adopt(ref) if take_over else None
             if taken is None:
                 model, weights, fp, members = await self._plan(ref)
             else:
                 model, weights, fp, members, adoption = taken
             self.addresses = {m.offer.node: m.address for m in members}
+            self.prep.model = model.name  # (the reference may be a path)
             assert self.plan is not None
             nodes = [self.addresses[n] for n in self.plan.nodes]
             log.info("plan: %s", _describe(self.plan))
@@ -138,6 +142,7 @@ class CoordinatorRole:
                 wire_dtype="f32" if self.exact else "f16",
                 home=self.my_address,
                 events=self.hub,
+                preparing=self.prep,
                 cluster_id=self.cluster,
                 api_limits=self.api_limits,
                 draft=self.draft,
@@ -178,6 +183,7 @@ class CoordinatorRole:
                 await self._run(take_over=False)
                 return
             self.state, self.error = "failed", str(e)
+            self.prep.failed(self.error)
             log.error("cannot form the pipeline: %s", e)
 
     async def _plan(self, ref: str) -> tuple[LocalModel, str, Any, list[Member]]:
@@ -187,7 +193,8 @@ class CoordinatorRole:
         while time.monotonic() - t0 < PROBE_WAIT_S and not all(m.measured for m in self.members()):
             await asyncio.sleep(0.25)
         loop = asyncio.get_running_loop()
-        model = await loop.run_in_executor(None, lambda: ModelStore().resolve(ref, quiet=True))
+        told = self.prep.pull_progress(loop)
+        model = await loop.run_in_executor(None, lambda: ModelStore().resolve(ref, quiet=True, progress=told))
         weights = self._weights(model.name)
         members: list[Member] = self.members()
         fp = await asyncio.to_thread(lambda: footprint(model.config(), weights, streams=self.streams))
@@ -318,6 +325,9 @@ class CoordinatorRole:
             return f"{who} serves no model: choose the cluster's model in Settings (or `lakeshard cluster model NAME`)"
         if self.state == "failed":
             return f"the coordinator could not form the pipeline: {self.error}"
+        p = self.prep.current
+        if p is not None and p.step not in ("ready", "failed"):
+            return f"the coordinator is preparing {p.model}: {p.describe()}"
         return f"the coordinator is still forming the pipeline ({self.state})"
 
     def cluster_view(self) -> ClusterView:
@@ -353,6 +363,7 @@ class CoordinatorRole:
             nodes=tuple(sorted(nodes, key=lambda n: n.node)),
             streams=sched.active if sched else 0,
             waiting=sched.waiting if sched else 0,
+            preparing=self.prep.current,
         )
 
     def status(self) -> dict[str, Any]:
@@ -382,6 +393,7 @@ class CoordinatorRole:
             "adopted": self.adopted,
             "needed_exports": self.needed_exports(),
             "exported": c.exported if c is not None else 0,
+            "preparing": _preparing(self.prep),
             "error": self.error,
         }
 
@@ -459,3 +471,9 @@ def _speculation(c: Coordinator | None) -> dict[str, Any] | None:
     if spec is None:
         return None
     return {**spec.counters.summary(), "declined": spec.counters.declined}
+
+
+def _preparing(prep: Preparer) -> str | None:
+    """The preparation under way, in words (None: none, or it is over)."""
+    p = prep.current
+    return p.describe() if p is not None and p.step not in ("ready", "failed") else None

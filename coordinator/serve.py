@@ -38,6 +38,7 @@ from coordinator.drafting import load_drafter
 from coordinator.limits import TOTAL_INFLIGHT, Limiter, Limits
 from coordinator.pipeline import Pipeline, PipelineError, StagePlacement
 from coordinator.planner import PlanError, balanced_split, model_costs, split_from_cuts
+from coordinator.preparing import Preparer
 from coordinator.scheduler import Scheduler
 from coordinator.speculative import SpecConfig
 
@@ -87,6 +88,7 @@ class ServeConfig:
     # the cluster event stream (None: one of its own, showing the pipeline's agents)
     events: EventHub | None = None
     cluster_id: str = "default"
+    preparing: Preparer | None = None  # where its steps are told (None: one of its own, on its hub)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -177,6 +179,7 @@ class Coordinator:
         self.node_devices: dict[str, str] = {}  # agent address -> the device its stage runs on (the planner's)
         self.hub = cfg.events if cfg.events is not None else EventHub(self.cluster_view)
         self._own_hub = cfg.events is None
+        self.prep = cfg.preparing or Preparer(cfg.model.name, self.hub.publish)
 
     async def async_start(self) -> None:
         cfg = self.cfg
@@ -237,6 +240,7 @@ class Coordinator:
         if cfg.rebalance:
             self._rebalancer = asyncio.create_task(self._auto_rebalance())
         if not cfg.api:
+            self.prep.ready()
             cfg.ready.set()
             return
         assert self._tokenizer is not None
@@ -255,6 +259,7 @@ class Coordinator:
         api_port = cfg.api_port if cfg.api_port else _free_port(cfg.api_host)
         await self._site(make_api_app(state), cfg.api_host, api_port)
         self.api_url = f"http://{cfg.api_host}:{api_port}"
+        self.prep.ready()
         cfg.ready.set()
 
     async def _build(self, nodes: Sequence[str], split: Sequence[int] | None = None) -> Pipeline:
@@ -265,8 +270,9 @@ class Coordinator:
         async with self._export_lock:
             if cached_export(cfg.model, ranges, cfg.opts) is None:
                 self.exported += 1  # (a copy of the export on this disk is used as it is)
+            told = self.prep.export_progress(loop, list(nodes), self.node_ids)
             export = await loop.run_in_executor(
-                None, lambda: export_model(cfg.model, ranges, cfg.opts, quiet=cfg.quiet)
+                None, lambda: export_model(cfg.model, ranges, cfg.opts, quiet=cfg.quiet, progress=told)
             )
         self.export = export
         if self._tokenizer is None and cfg.api:  # loaded while the stages compile
@@ -292,10 +298,13 @@ class Coordinator:
             ship_artifacts=cfg.ship_artifacts,
         )
         try:
-            await pipeline.async_start()
+            async with self.prep.assigning(pipeline, self.node_ids):
+                await pipeline.async_start()
         except BaseException:
             await pipeline.async_close()
             raise
+        if self.api_url:  # a re-plan or a recovery (the first start is ready once its API is)
+            self.prep.ready()
         return pipeline
 
     async def async_replan(self, nodes: Sequence[str], split: Sequence[int] | None = None) -> None:
@@ -444,6 +453,7 @@ class Coordinator:
             nodes=tuple(nodes),
             streams=sched.active if sched else 0,
             waiting=sched.waiting if sched else 0,
+            preparing=self.prep.current,
         )
 
     @property

@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp.http_exceptions import HttpProcessingError
 
+from agent.protocol.codec import ProtocolError
 from agent.protocol.events import MAX_EVENT_BYTES, Event, parse_event
 
 TIMEOUT = aiohttp.ClientTimeout(total=10, sock_connect=3)
@@ -41,6 +42,11 @@ class Unreachable(Exception):
 
 class BadAddress(Unreachable):
     """The coordinator URL in the settings is not one that can be asked at all."""
+
+
+class NotServing(Unreachable):
+    """A coordinator answers, but its API cannot yet (it prepares the model, or has none);
+    the message says why, with the step it is at."""
 
 
 class ApiError(Exception):
@@ -112,7 +118,9 @@ async def _raise_for(r: aiohttp.ClientResponse) -> None:
         message, code = str(err.get("message", "")), err.get("code")
     else:
         message, code = str(err or r.reason), None
-    if r.status == 503 and code in ("no_coordinator", "not_serving"):
+    if r.status == 503 and code == "not_serving":
+        raise NotServing(message)
+    if r.status == 503 and code == "no_coordinator":
         raise Unreachable(message)
     raise ApiError(r.status, message, code)
 
@@ -278,7 +286,8 @@ class Client:
                 raise Interrupted("the stream ended before the answer was complete", "no [DONE], no finish reason")
 
     async def events(self) -> AsyncIterator[Event]:
-        """The cluster event stream, from its snapshot on, until the connection ends."""
+        """The cluster event stream, from its snapshot on, until the connection ends. Events of
+        a type this version does not know (a newer coordinator's) are skipped."""
         url = self._coordinator("/v1/cluster/events")
         try:
             async with self.session.ws_connect(
@@ -287,7 +296,13 @@ class Client:
                 async for m in ws:
                     if m.type != aiohttp.WSMsgType.TEXT:
                         break
-                    yield parse_event(m.data)
+                    try:
+                        ev = parse_event(m.data)
+                    except ProtocolError as e:
+                        if e.code == "unknown_type":
+                            continue
+                        raise
+                    yield ev
         except aiohttp.InvalidURL as e:
             raise BadAddress(f"{url} is not a valid URL ({e})") from None
         except TRANSPORT_ERRORS as e:

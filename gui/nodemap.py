@@ -38,7 +38,9 @@ from agent.protocol.events import (
     NodeInfo,
     NodeJoined,
     NodeLeft,
+    NodeStep,
     PlanChanged,
+    Preparation,
     Snapshot,
     StreamFinished,
 )
@@ -46,7 +48,8 @@ from gui.client import ApiError, Client, Unreachable
 from gui.icons import app_icon
 
 STATE_COLOURS = {"available": "#16a34a", "limited": "#d97706", "paused": "#64748b"}
-BOX_W, BOX_H = 236, 112
+BOX_W, BOX_H = 236, 132
+STEP_COLOUR = "#0369a1"  # a node's preparation step, under its figures
 GIB = 1024**3
 
 
@@ -65,8 +68,8 @@ def layout(view: ClusterView, width: float, height: float) -> dict[str, QRectF]:
     return out
 
 
-def node_lines(n: NodeInfo) -> list[str]:
-    """The text in a node's box (pure)."""
+def node_lines(n: NodeInfo, step: NodeStep | None = None) -> list[str]:
+    """The text in a node's box (pure); ``step``: its part of a preparation under way (a last line)."""
     lines = [n.name if n.name != n.node else n.node[:12]]
     state = n.state + (f" ({n.reason})" if n.reason else "")
     lines.append(f"{state} · {','.join(n.devices)}")
@@ -76,7 +79,25 @@ def node_lines(n: NodeInfo) -> list[str]:
     lines.append(mem + temp)
     rtt = "" if n.rtt_ms is None or n.role == "coordinator" else f" · rtt {n.rtt_ms:.1f} ms"
     lines.append(f"{n.tok_s:.0f} tok/s{rtt}")
+    if step is not None:
+        lines.append(step.describe())
     return lines
+
+
+def preparing_step(view: ClusterView, node: str) -> NodeStep | None:
+    """``node``'s part of the preparation under way (None: nothing under way, or not its part)."""
+    p = view.preparing
+    if p is None or p.step == "ready":
+        return None
+    return p.node(node)
+
+
+def preparing_news(before: Preparation | None, after: Preparation | None, at: float) -> str | None:
+    """A line of the map's log when the preparation took a new step (its percent alone is not news)."""
+    if after is None or (before is not None and before.steps() == after.steps()):
+        return None
+    t = time.strftime("%H:%M:%S", time.localtime(at))
+    return f"{t}  {after.model}: {after.describe()}"
 
 
 def link_label(ms: float) -> str:
@@ -170,13 +191,15 @@ class MapCanvas(QWidget):
         for node, r in boxes.items():
             info = v.node(node)
             if info is not None:
-                self._box(p, r, info, node == v.coordinator, node == self.me)
+                self._box(p, r, info, node == v.coordinator, node == self.me, preparing_step(v, node))
         p.setPen(QColor("#334155"))
         model = f"{v.model or 'no model'} ({v.service})"
+        if v.preparing is not None and v.preparing.step != "ready":
+            model = f"{v.model or v.preparing.model} ({v.preparing.describe()})"
         head = f"{v.cluster} · term {v.term} · {model} · {v.streams} answering · ★ coordinator"
         p.drawText(QRectF(8, 4, self.width() - 16, 20), Qt.AlignmentFlag.AlignLeft, head)
 
-    def _box(self, p: QPainter, r: QRectF, n: NodeInfo, coordinator: bool, me: bool) -> None:
+    def _box(self, p: QPainter, r: QRectF, n: NodeInfo, coordinator: bool, me: bool, step: NodeStep | None) -> None:
         path = QPainterPath()
         path.addRoundedRect(r, 10, 10)
         p.setBrush(Qt.BrushStyle.NoBrush)
@@ -186,7 +209,7 @@ class MapCanvas(QWidget):
         p.setPen(QPen(border, 4 if coordinator or selected else 1.5))
         p.drawPath(path)
         p.fillRect(QRectF(r.left() + 1, r.top() + 8, 8, r.height() - 16), QColor(STATE_COLOURS.get(n.state, "#64748b")))
-        lines = node_lines(n)
+        lines = node_lines(n, step)
         f = QFont(self.font())
         f.setBold(True)
         p.setFont(f)
@@ -197,6 +220,8 @@ class MapCanvas(QWidget):
         p.setFont(f)
         p.setPen(QColor("#334155"))
         for i, line in enumerate(lines[1:]):
+            if step is not None and i == len(lines) - 2:
+                p.setPen(QColor(STEP_COLOUR if step.step != "failed" else "#b91c1c"))
             p.drawText(
                 QRectF(r.left() + 16, r.top() + 26 + 20 * i, r.width() - 20, 18), Qt.AlignmentFlag.AlignLeft, line
             )
@@ -279,14 +304,16 @@ class NodeMapWindow(QMainWindow):
 
     def on_event(self, item: tuple[Event, ClusterView | None]) -> None:
         ev, view = item
+        before = self.view.preparing if self.view is not None else None
         self.view = view
         if view is not None:
             self.names.update({n.node: n.name for n in view.nodes})
-        line = describe(ev, self.names)
-        if line is not None:
-            self.log_lines.append(line)
-            self.log.addItem(line)
-            self.log.scrollToBottom()
+        lines = [describe(ev, self.names), preparing_news(before, view.preparing if view else None, ev.at)]
+        for line in lines:
+            if line is not None:
+                self.log_lines.append(line)
+                self.log.addItem(line)
+                self.log.scrollToBottom()
         self.canvas.set_view(view, self.me())
         if self.selected is not None:
             self.show_node(self.selected)
@@ -309,6 +336,7 @@ class NodeMapWindow(QMainWindow):
                 ("memory", f"{n.mem_free / GIB:.1f} GB free of {n.mem_total / GIB:.1f}"),
                 ("temperature", "unknown" if n.temp_c is None else f"{n.temp_c:.0f} °C"),
                 ("stage", "none" if n.stage is None else f"{n.stage}, layers {n.layers}"),
+                *((("preparing", step.describe()),) if (step := self._step(node)) else ()),
                 ("tok/s", f"{n.tok_s:.1f}"),
                 ("round trip", "-" if n.rtt_ms is None else f"{n.rtt_ms:.2f} ms to the coordinator"),
                 (
@@ -320,6 +348,9 @@ class NodeMapWindow(QMainWindow):
             body = "".join(f"<tr><td><b>{k}</b></td><td>{v}</td></tr>" for k, v in rows)
             self.details.setText(f"<h3>{n.name}</h3><table>{body}</table>")
         self._enable_actions()
+
+    def _step(self, node: str) -> NodeStep | None:
+        return preparing_step(self.view, node) if self.view is not None else None
 
     def _enable_actions(self) -> None:
         mine = self.selected is not None and self.selected == self.me()

