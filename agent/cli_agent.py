@@ -304,6 +304,12 @@ def event_line(ev: Any) -> str:
         return f"{t} plan {ev.service} (term {ev.term}): {ring or 'no stages'}"
     if isinstance(ev, E.Failover):
         return f"{t} failover: lost {ev.lost}, resumed in {ev.seconds:.1f} s (term {ev.term})"
+    if isinstance(ev, E.Takeover):
+        again = "exported again" if ev.exported else "nothing exported again"
+        return (
+            f"{t} takeover by {ev.coordinator} in {ev.seconds:.1f} s (term {ev.term}): "
+            f"{ev.kept} stage(s) kept, {ev.moved} moved, {again}"
+        )
     if isinstance(ev, E.Preparing):
         p = ev.preparing
         if p is None:

@@ -43,6 +43,7 @@ from agent.protocol.events import (
     Preparation,
     Snapshot,
     StreamFinished,
+    Takeover,
 )
 from gui.client import ApiError, Client, Unreachable
 from gui.icons import app_icon
@@ -124,6 +125,12 @@ def describe(ev: Event, names: dict[str, str]) -> str | None:
         return f"{t}  plan ({ev.service}): {ring or 'no stages'}"
     if isinstance(ev, Failover):
         return f"{t}  failover: lost {name(ev.lost)}, streams resumed in {ev.seconds:.1f} s"
+    if isinstance(ev, Takeover):
+        again = "exported again" if ev.exported else "nothing exported again"
+        return (
+            f"{t}  {name(ev.coordinator)} took over in {ev.seconds:.1f} s: {ev.kept} stage(s) kept, "
+            f"{ev.moved} moved, {again}"
+        )
     if isinstance(ev, CoordinatorLost):
         return f"{t}  coordinator lost; election under way"
     if isinstance(ev, Snapshot):
