@@ -351,3 +351,47 @@ def _plan_over(
         if best is None or score < best[0] * (1 - gain):
             best = (score, Plan(found.stages, found.bottleneck_s, cycle))
     return None if best is None else best[1]
+
+
+HELD_SLACK = 0.10  # a split already exported is kept when this close to the best one
+
+
+def fixed_plan(
+    fp: Footprint, offers: Sequence[NodeOffer], nodes: Sequence[str], ranges: Sequence[tuple[int, int]]
+) -> Plan | None:
+    """The plan that runs ``ranges`` on ``nodes`` (in order), each on the fastest of its node's
+    devices that holds it; None when a node is unknown or cannot hold its stage."""
+    by = {n.name: n for n in _nodes(offers)}
+    stages = []
+    for node, (b, e) in zip(nodes, ranges, strict=True):
+        n = by.get(node)
+        d = None if n is None else n.fitting(fp.stage_bytes(b, e))
+        if n is None or d is None:
+            return None
+        secs = 2 * fp.costs.stage_cost(b, e) / (d.speed * n.factor * 1e9)
+        stages.append(StagePlan(d.node, b, e, fp.stage_bytes(b, e), secs, d.device))
+    return Plan(tuple(stages), max(x.seconds for x in stages), sum(x.seconds for x in stages))
+
+
+def prefer_held(
+    fp: Footprint,
+    offers: Sequence[NodeOffer],
+    plan: Plan,
+    held: Sequence[Sequence[tuple[int, int]]],
+    slack: float = HELD_SLACK,
+) -> Plan:
+    """``plan``, or a split already exported (``held``: their layer ranges) on the same nodes in
+    the same order when its slowest stage is within ``slack`` of the plan's: an export costs
+    minutes, a few per cent of speed costs less (and a cluster formed again on the same laptops
+    then finds its export instead of making another that differs by a layer)."""
+    if any(list(r) == plan.ranges for r in held):
+        return plan  # exported already
+    hops = plan.cycle_s - sum(x.seconds for x in plan.stages)  # the cycle's hop costs
+    best = plan
+    for ranges in held:
+        p = fixed_plan(fp, offers, plan.nodes, ranges) if len(ranges) == len(plan.stages) else None
+        if p is None or p.bottleneck_s > plan.bottleneck_s * (1 + slack) + 1e-15:
+            continue
+        if best is plan or p.bottleneck_s < best.bottleneck_s:
+            best = Plan(p.stages, p.bottleneck_s, p.cycle_s + hops)
+    return best

@@ -35,7 +35,7 @@ from agent.protocol.events import ClusterView, NodeInfo, Takeover
 from agent.security import transport
 from agent.security.errors import SecurityError
 from coordinator.limits import TOTAL_INFLIGHT, Limits
-from coordinator.planner import NodeOffer, Plan, PlanError, StagePlan, footprint, plan_pipeline
+from coordinator.planner import NodeOffer, Plan, PlanError, StagePlan, footprint, plan_pipeline, prefer_held
 from coordinator.preparing import Preparer
 from coordinator.serve import Coordinator, ServeConfig
 from coordinator.takeover import Adoption, Held, Running, adopt
@@ -198,9 +198,12 @@ class CoordinatorRole:
         weights = self._weights(model.name)
         members: list[Member] = self.members()
         fp = await asyncio.to_thread(lambda: footprint(model.config(), weights, streams=self.streams))
-        self.plan = plan_pipeline(
-            fp, [m.offer for m in members], streams=self.streams, min_nodes=self.min_nodes, home=self._home(members)
-        )
+        offers = [m.offer for m in members]
+        plan = plan_pipeline(fp, offers, streams=self.streams, min_nodes=self.min_nodes, home=self._home(members))
+        held = await asyncio.to_thread(_held_splits, model.name, weights)
+        self.plan = prefer_held(fp, offers, plan, held)  # an export at hand beats a marginally faster split
+        if self.plan is not plan:
+            log.info("a split exported before is about as fast: %s instead of %s", self.plan.ranges, plan.ranges)
         return model, weights, fp, members
 
     def _weights(self, name: str) -> str:
@@ -278,6 +281,9 @@ class CoordinatorRole:
             except PlanError as e:
                 log.warning("membership changed but no plan fits: %s", e)
                 continue
+            c = self.coordinator
+            held = await asyncio.to_thread(_held_splits, c.cfg.model.name, c.cfg.opts.weights)
+            plan = prefer_held(fp, [m.offer for m in members], plan, held)
             self.addresses.update({m.offer.node: m.address for m in members})
             devices = _devices(plan, self.addresses)
             want = [self.addresses[n] for n in plan.nodes]
@@ -427,8 +433,8 @@ async def copy_export(export: str, sources: list[str]) -> Path:
     raise FetchError("; ".join(errors) or "no node holds it")
 
 
-def _held_exports(model: str, weights: str) -> list[Held]:
-    """The complete exports of ``model`` with ``weights`` on this node's disk."""
+def _held_metas(model: str, weights: str) -> list[tuple[str, dict[str, Any]]]:
+    """The complete exports of ``model`` with ``weights`` on this node's disk: (id, export.json)."""
     out = []
     for h in HeldExports().scan(True).values():
         try:
@@ -436,8 +442,16 @@ def _held_exports(model: str, weights: str) -> list[Held]:
         except (OSError, ValueError):
             continue
         if meta.get("model", {}).get("name") == model and meta.get("options", {}).get("weights") == weights:
-            out.append(Held(h.id, len(h.stage_manifests)))
+            out.append((h.id, meta))
     return out
+
+
+def _held_exports(model: str, weights: str) -> list[Held]:
+    return [Held(i, int(meta["stages"])) for i, meta in _held_metas(model, weights)]
+
+
+def _held_splits(model: str, weights: str) -> list[list[tuple[int, int]]]:
+    return [[(int(a), int(b)) for a, b in meta["ranges"]] for _, meta in _held_metas(model, weights)]
 
 
 def _model_for(d: Path, meta: dict[str, Any]) -> LocalModel:

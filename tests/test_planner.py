@@ -10,8 +10,10 @@ from coordinator.planner import (
     NodeOffer,
     PlanError,
     balanced_split,
+    fixed_plan,
     footprint,
     plan_pipeline,
+    prefer_held,
     split_from_cuts,
 )
 
@@ -298,3 +300,49 @@ def test_plan_over_devices_says_what_is_missing() -> None:
     # the shared memory of a node's CPU and integrated GPU is counted once
     with pytest.raises(PlanError, match=r"needs 1\.5 GB, cluster offers 0\.8 GB over 2 node\(s\)"):
         plan_pipeline(FP, [_d("a", "CPU", 0.4, 100.0), _d("a", "GPU", 0.4, 300.0), _d("b", "CPU", 0.4, 100.0)])
+
+
+# ---- an export at hand beats a marginally faster split ------------------------------------------
+
+THREE = [_o("a", 8), _o("b", 8), _o("c", 8)]  # best for 8 streams: (0, 4), (4, 8), (8, 10)
+
+
+@pytest.mark.parametrize(
+    ("held", "ranges"),
+    [
+        # another split as fast as the best (the first stage was never the slowest): kept, no export
+        ([[(0, 5), (5, 8), (8, 10)]], [(0, 5), (5, 8), (8, 10)]),
+        # of two held, the one within 10% (a layer off here is 20% slower: exported anew)
+        ([[(0, 3), (3, 7), (7, 10)], [(0, 4), (4, 9), (9, 10)]], [(0, 4), (4, 9), (9, 10)]),
+        ([[(0, 3), (3, 7), (7, 10)]], [(0, 4), (4, 8), (8, 10)]),
+        # the best split itself is held: nothing changes
+        ([[(0, 4), (4, 8), (8, 10)], [(0, 3), (3, 7), (7, 10)]], [(0, 4), (4, 8), (8, 10)]),
+        # much slower (the last stage with the lm_head and 5 layers): exported anew
+        ([[(0, 2), (2, 5), (5, 10)]], [(0, 4), (4, 8), (8, 10)]),
+        # another number of stages: not comparable
+        ([[(0, 5), (5, 10)]], [(0, 4), (4, 8), (8, 10)]),
+        # nothing held
+        ([], [(0, 4), (4, 8), (8, 10)]),
+    ],
+)
+def test_a_held_split_is_kept_when_about_as_fast(
+    held: list[list[tuple[int, int]]], ranges: list[tuple[int, int]]
+) -> None:
+    plan = plan_pipeline(FP, THREE, streams=8, hop_s=0.001)
+    got = prefer_held(FP, THREE, plan, held)
+    assert got.ranges == ranges
+    assert got.nodes == plan.nodes
+    assert got.bottleneck_s <= plan.bottleneck_s * 1.1
+
+
+def test_a_held_split_that_a_node_cannot_hold_is_not_taken() -> None:
+    small = [_o("a", 8), _o("b", 0.45), _o("c", 8)]  # b holds 3 layers, not 4
+    plan = plan_pipeline(FP, small, streams=8, hop_s=0.001)
+    bigger_middle = [(r[0], r[1]) for r in plan.ranges]
+    i = plan.nodes.index("b")
+    if i + 1 < len(bigger_middle):
+        a, b = bigger_middle[i]
+        bigger_middle[i], bigger_middle[i + 1] = (a, b + 1), (b + 1, bigger_middle[i + 1][1])
+    assert bigger_middle != plan.ranges  # (b's stage one layer longer: more than b holds)
+    assert fixed_plan(FP, small, plan.nodes, bigger_middle) is None
+    assert prefer_held(FP, small, plan, [bigger_middle]).ranges == plan.ranges
