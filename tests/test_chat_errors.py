@@ -357,3 +357,32 @@ def test_settings_refuse_an_invalid_coordinator_url_and_save_nothing(
     d.coordinator_url.setText("")  # blank: through the local agent
     assert d.url_error.isHidden() and d.save_btn.isEnabled()
     run(qloop, client.close())
+
+
+def test_the_agents_no_coordinator_answer_is_said_once_in_the_banner(
+    qloop: asyncio.AbstractEventLoop, chat: Callable[[Client], ChatWindow]
+) -> None:
+    """While the coordinator restarts (a new model, an election), this laptop's agent answers 503
+    no_coordinator: the banner says so in one sentence, not the same words twice."""
+    said = "no coordinator is reachable right now (an election may be under way); retry"
+
+    async def models(_request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": said, "code": "no_coordinator"}}, status=503)
+
+    async def start() -> web.AppRunner:
+        app = web.Application()
+        app.router.add_get("/v1/models", models)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        return runner
+
+    runner = run(qloop, start())
+    try:
+        w = chat(Client(f"http://127.0.0.1:{runner.addresses[0][1]}"))
+        run(qloop, until("the banner", lambda: w.reachable is False and w.banner.isVisibleTo(w)))
+        text = w.banner.text()
+        assert text == "No coordinator is reachable right now (an election may be under way); retrying every 2 s."
+        assert text.lower().count("no coordinator is reachable") == 1
+    finally:
+        run(qloop, runner.cleanup())

@@ -456,7 +456,10 @@ class ChatWindow(QMainWindow):
             )
         else:
             extra = " Your message will be sent when one answers." if self.pending_send else ""
-            text = f"No coordinator is reachable right now; retrying every {RETRY_S:.0f} s.{extra}\n{why}"
+            head = "No coordinator is reachable right now"
+            if why.lower().startswith(head.lower()):  # the agent's own words say it: once is enough
+                head, why = f"{head}{why[len(head) :].split(';')[0]}", ""
+            text = f"{head}; retrying every {RETRY_S:.0f} s.{extra}" + (f"\n{why}" if why else "")
         self.banner.setText(text)
         self.banner.setVisible(True)
 
