@@ -18,7 +18,14 @@ NODE = {
 
 def test_a_coordinator_without_a_model_says_no_model_not_none() -> None:
     """Right after 'Create a new cluster' no model is chosen: the line must not end in Python's None."""
-    services = {"state": "no model", "model": None, "api": None, "plan": [], "error": None, "recoveries": []}
+    services: dict[str, object] = {
+        "state": "no model",
+        "model": None,
+        "api": None,
+        "plan": [],
+        "error": None,
+        "recoveries": [],
+    }
     text = format_status(NODE, {"term": 1, "coordinator": "8e2b7ca7f8b1", "eligible": True, "services": services})
     assert "coordinator services: no model" in text.splitlines()
     assert "None" not in text
