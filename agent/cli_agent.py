@@ -219,7 +219,8 @@ def format_status(node: dict[str, Any], cluster: dict[str, Any]) -> str:
         api = ""
         if sv["api"]:
             api = f", API {sv['api']}" + (f" (limits: {sv['api_limits']})" if sv.get("api_limits") else "")
-        lines.append(f"coordinator services: {sv['state']} {sv['model']}{api}")
+        model = f" {sv['model']}" if sv["model"] else ""  # (none yet: "no model", not "no model None")
+        lines.append(f"coordinator services: {sv['state']}{model}{api}")
         if sv.get("preparing"):
             lines.append(f"  preparing: {sv['preparing']}")
         for i, st in enumerate(sv["plan"]):

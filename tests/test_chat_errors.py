@@ -357,3 +357,82 @@ def test_settings_refuse_an_invalid_coordinator_url_and_save_nothing(
     d.coordinator_url.setText("")  # blank: through the local agent
     assert d.url_error.isHidden() and d.save_btn.isEnabled()
     run(qloop, client.close())
+
+
+def test_the_agents_no_coordinator_answer_is_said_once_in_the_banner(
+    qloop: asyncio.AbstractEventLoop, chat: Callable[[Client], ChatWindow]
+) -> None:
+    """While the coordinator restarts (a new model, an election), this laptop's agent answers 503
+    no_coordinator: the banner says so in one sentence, not the same words twice."""
+    said = "no coordinator is reachable right now (an election may be under way); retry"
+
+    async def models(_request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": said, "code": "no_coordinator"}}, status=503)
+
+    async def start() -> web.AppRunner:
+        app = web.Application()
+        app.router.add_get("/v1/models", models)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        return runner
+
+    runner = run(qloop, start())
+    try:
+        w = chat(Client(f"http://127.0.0.1:{runner.addresses[0][1]}"))
+        run(qloop, until("the banner", lambda: w.reachable is False and w.banner.isVisibleTo(w)))
+        text = w.banner.text()
+        assert text == "No coordinator is reachable right now (an election may be under way); retrying every 2 s."
+        assert text.lower().count("no coordinator is reachable") == 1
+    finally:
+        run(qloop, runner.cleanup())
+
+
+def test_a_long_conversation_opens_at_its_end_and_a_new_question_is_followed(
+    qloop: asyncio.AbstractEventLoop, fake: FakeCoordinator, chat: Callable[[Client], ChatWindow]
+) -> None:
+    """Reopened (or reopening the chat window), a conversation longer than the window shows its
+    latest answer, and a question sent while scrolled up brings the reader to the answer."""
+    w = chat(Client(fake.url))
+    w.resize(700, 420)
+    w.show()
+    reachable(qloop, w)
+    for i in range(8):
+        ask(qloop, w, f"Question {i}: say it again.")
+    first = w.conversation
+    assert first is not None
+    bar = w.transcript.verticalScrollBar()
+    w.new_conversation()
+    assert w.conversation != first
+    w.open_conversation(first)
+    assert bar.maximum() > 0 and bar.value() == bar.maximum()
+    bar.setValue(0)  # the reader scrolls up, then asks
+    w.input.setPlainText("One more.")
+    w.send_btn.click()
+    assert bar.value() == bar.maximum()
+    run(qloop, until("the answer to end", lambda: w.streaming is None))
+    assert bar.value() == bar.maximum()
+
+
+def test_the_chat_window_opened_from_the_tray_shows_the_end_of_a_long_conversation(
+    qloop: asyncio.AbstractEventLoop, fake: FakeCoordinator, tmp_path: Path
+) -> None:
+    """The tray makes the window when Open chat is chosen: the last conversation opens hidden,
+    then shows; the reader sees its latest answer, and the next answer is followed."""
+    store = Store(tmp_path / "long.sqlite3")
+    cid = store.create("a long one")
+    for i in range(8):
+        store.add(cid, "user", f"Question {i}: say it again.")
+        store.add(cid, "assistant", FULL)
+    w = ChatWindow(Client(fake.url), store)
+    try:
+        w.resize(700, 420)
+        w.show()
+        reachable(qloop, w)
+        bar = w.transcript.verticalScrollBar()
+        assert w.conversation == cid and bar.maximum() > 0 and bar.value() == bar.maximum()
+        ask(qloop, w, "One more.")
+        assert bar.value() == bar.maximum()
+    finally:
+        run(qloop, w.async_stop())
+        w.deleteLater()

@@ -212,7 +212,7 @@ class ChatWindow(QMainWindow):
         self.input.blockSignals(False)
         if conv.model and self.model.findText(conv.model) >= 0:
             self.model.setCurrentText(conv.model)
-        self.redraw()
+        self.redraw(to_end=True)
 
     def new_conversation(self) -> int:
         cid = self.store.create(model=self.model.currentText() or None)
@@ -262,14 +262,16 @@ class ChatWindow(QMainWindow):
             self.store.set_model(self.conversation, name)
 
     # -- the transcript --------------------------------------------------------------------------
-    def redraw(self) -> None:
+    def redraw(self, to_end: bool = False) -> None:
+        """Show the conversation; keep following its end if the reader was there (``to_end``: go
+        there, as when a conversation opens or a question goes out)."""
         if self.conversation is None:
             return
         msgs = self.store.messages(self.conversation)
         page, self.blocks = transcript_html(msgs, self.live, self.names, can_retry=self.streaming is None)
         self.retry_btn.setVisible(self.can_retry())
         bar = self.transcript.verticalScrollBar()
-        at_end = bar.value() >= bar.maximum() - 4
+        at_end = to_end or bar.value() >= bar.maximum() - 4
         self.transcript.setHtml(page)
         if at_end:
             bar.setValue(bar.maximum())
@@ -330,7 +332,7 @@ class ChatWindow(QMainWindow):
         self.stop_btn.setEnabled(True)
         self.status.setText("waiting for the first token…")
         self.streaming = asyncio.ensure_future(self._answer(cid, mid, question))
-        self.redraw()
+        self.redraw(to_end=True)
 
     async def _answer(self, cid: int, mid: int, question: str) -> None:
         """Stream one answer into the store; however it ends, the window is ready for the next."""
@@ -456,7 +458,10 @@ class ChatWindow(QMainWindow):
             )
         else:
             extra = " Your message will be sent when one answers." if self.pending_send else ""
-            text = f"No coordinator is reachable right now; retrying every {RETRY_S:.0f} s.{extra}\n{why}"
+            head = "No coordinator is reachable right now"
+            if why.lower().startswith(head.lower()):  # the agent's own words say it: once is enough
+                head, why = f"{head}{why[len(head) :].split(';')[0]}", ""
+            text = f"{head}; retrying every {RETRY_S:.0f} s.{extra}" + (f"\n{why}" if why else "")
         self.banner.setText(text)
         self.banner.setVisible(True)
 
@@ -536,3 +541,13 @@ class ChatWindow(QMainWindow):
     def closeEvent(self, e: Any) -> None:
         self._save_draft()
         super().closeEvent(e)
+
+    def showEvent(self, e: Any) -> None:
+        """Opened (from the tray), a conversation shows its latest message: laid out only now,
+        the transcript's scroll range is known only once the window is shown."""
+        super().showEvent(e)
+        QTimer.singleShot(0, self._to_end)
+
+    def _to_end(self) -> None:
+        bar = self.transcript.verticalScrollBar()
+        bar.setValue(bar.maximum())
