@@ -240,7 +240,9 @@ def _run_stage_job(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        encoding="utf-8",  # (a netns or a service may run with an ASCII locale; the worker prints UTF-8)
+        errors="replace",
+        env={**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONIOENCODING": "utf-8"},
     )
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
     out: list[str] = []
