@@ -458,12 +458,17 @@ def _dispatch(args: argparse.Namespace) -> int:
 def _models(args: argparse.Namespace) -> int:
     from agent.models.registry import REGISTRY
     from agent.models.store import ModelStore
+    from agent.progress import PercentLine
 
     store = ModelStore()
     if args.models_cmd == "pull":
         if args.find_links is not None and not args.find_links.is_dir():
             raise CliError(f"--find-links {args.find_links}: not a directory")
-        m = store.pull(args.name, find_links=args.find_links)
+        line = PercentLine(args.name, enabled=sys.stderr.isatty())
+        try:
+            m = store.pull(args.name, find_links=args.find_links, progress=line)
+        finally:
+            line.close()
         print(f"{m.name}: {m.checkpoint} (sha256 {m.sha256})")
     elif args.models_cmd == "import":
         m = store.import_path(args.path, args.name)

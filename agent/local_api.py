@@ -34,6 +34,7 @@ from agent.cluster_model_api import ModelDoor, add_model_routes, check_override
 from agent.config import ConfigError, Settings, config_file, load, parse
 from agent.gateway import Door, Target, add_local_routes, describe, json_errors
 from agent.logs import set_file_level
+from agent.models.pulls import add_pull_routes
 from agent.paths import write_text_atomic
 from agent.protocol.control import STATES
 
@@ -91,6 +92,7 @@ def make_local_app(daemon: Agent) -> web.Application:
     app.router.add_put("/v1/settings", _put_settings)
     add_local_routes(app, daemon)
     add_model_routes(app, daemon)
+    add_pull_routes(app)
     return app
 
 

@@ -61,3 +61,29 @@ def step(msg: str, enabled: bool = True) -> None:
     if enabled:
         sys.stderr.write(f"{msg}\n")
         sys.stderr.flush()
+
+
+class PercentLine:
+    """A ``(percent, what)`` reporter (a model pull's) drawn as one stderr line, at most ~5 times a
+    second; :meth:`close` ends the line."""
+
+    def __init__(self, label: str, enabled: bool = True) -> None:
+        self.label, self.enabled = label, enabled
+        self._last = 0.0
+        self._drawn = False
+
+    def __call__(self, percent: float | None, what: str) -> None:
+        now = time.monotonic()
+        if not self.enabled or now - self._last < 0.2:
+            return
+        self._last = now
+        pct = "" if percent is None else f"{percent:5.1f}% "
+        sys.stderr.write(f"\r{self.label}: {pct}{what}\033[K")
+        sys.stderr.flush()
+        self._drawn = True
+
+    def close(self) -> None:
+        if self._drawn:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+            self._drawn = False

@@ -8,7 +8,7 @@ much as several layers); the embedding lookup reads one row and costs next to no
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
@@ -379,19 +379,46 @@ def prefer_held(
     plan: Plan,
     held: Sequence[Sequence[tuple[int, int]]],
     slack: float = HELD_SLACK,
+    *,
+    streams: int = 1,
+    hop_s: float = 0.002,
+    home: str | None = None,
+    min_nodes: int = 1,
 ) -> Plan:
-    """``plan``, or a split already exported (``held``: their layer ranges) on the same nodes in
-    the same order when its slowest stage is within ``slack`` of the plan's: an export costs
-    minutes, a few per cent of speed costs less (and a cluster formed again on the same laptops
-    then finds its export instead of making another that differs by a layer)."""
+    """``plan``, or a split already exported (``held``: their layer ranges) when it serves within
+        ``slack`` of the plan's time per token (``max(bottleneck, cycle / streams)``, as planned): an
+        export costs minutes, a few per cent of speed costs less, and a cluster formed again on the
+        same laptops then finds its export instead of making another that differs by a layer because
+        the speed probes differed by a few per cent.
+
+        A held split of ``k`` stages is tried on the plan's nodes (then the fastest others) in every
+        order (``k`` <= 5), since the probes may have ranked alike nodes another way; of candidates as
+        good (within ``HOME_SLACK``), one that starts on ``home``. Never fewer than ``min_nodes`` stages
+    while as many nodes are usable (as :func:`plan_pipeline`)."""
     if any(list(r) == plan.ranges for r in held):
         return plan  # exported already
-    hops = plan.cycle_s - sum(x.seconds for x in plan.stages)  # the cycle's hop costs
-    best = plan
+    usable = _nodes([o for o in offers if o.state != "paused" and o.speed > 0 and o.mem_free > 0])
+    others = [n.name for n in sorted(usable, key=lambda n: (-n.speed, n.name)) if n.name not in plan.nodes]
+    pool = [*plan.nodes, *others]
+    least = max(1, min(min_nodes, len(usable)))
+    limit = max(plan.bottleneck_s, plan.cycle_s / max(1, streams)) * (1 + slack) + 1e-15
+    found: list[tuple[float, Plan]] = []
     for ranges in held:
-        p = fixed_plan(fp, offers, plan.nodes, ranges) if len(ranges) == len(plan.stages) else None
-        if p is None or p.bottleneck_s > plan.bottleneck_s * (1 + slack) + 1e-15:
+        k = len(ranges)
+        if not least <= k <= len(pool):
             continue
-        if best is plan or p.bottleneck_s < best.bottleneck_s:
-            best = Plan(p.stages, p.bottleneck_s, p.cycle_s + hops)
-    return best
+        chosen = pool[:k]
+        orders: Iterable[Sequence[str]] = itertools.permutations(chosen) if k <= 5 else [chosen]
+        for order in orders:
+            p = fixed_plan(fp, offers, order, ranges)
+            if p is None:
+                continue
+            cycle = p.cycle_s + hop_s * k
+            score = max(p.bottleneck_s, cycle / max(1, streams))
+            if score <= limit:
+                found.append((score, Plan(p.stages, p.bottleneck_s, cycle)))
+    if not found:
+        return plan
+    best = min(found, key=lambda f: f[0])
+    homed = [f for f in found if f[1].nodes[0] == home and f[0] <= best[0] * (1 + HOME_SLACK)]
+    return min(homed, key=lambda f: f[0])[1] if homed else best[1]

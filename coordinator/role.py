@@ -199,9 +199,11 @@ class CoordinatorRole:
         members: list[Member] = self.members()
         fp = await asyncio.to_thread(lambda: footprint(model.config(), weights, streams=self.streams))
         offers = [m.offer for m in members]
-        plan = plan_pipeline(fp, offers, streams=self.streams, min_nodes=self.min_nodes, home=self._home(members))
+        home = self._home(members)
+        plan = plan_pipeline(fp, offers, streams=self.streams, min_nodes=self.min_nodes, home=home)
         held = await asyncio.to_thread(_held_splits, model.name, weights)
-        self.plan = prefer_held(fp, offers, plan, held)  # an export at hand beats a marginally faster split
+        # an export at hand beats a marginally faster split
+        self.plan = prefer_held(fp, offers, plan, held, streams=self.streams, home=home, min_nodes=self.min_nodes)
         if self.plan is not plan:
             log.info("a split exported before is about as fast: %s instead of %s", self.plan.ranges, plan.ranges)
         return model, weights, fp, members
@@ -283,7 +285,10 @@ class CoordinatorRole:
                 continue
             c = self.coordinator
             held = await asyncio.to_thread(_held_splits, c.cfg.model.name, c.cfg.opts.weights)
-            plan = prefer_held(fp, [m.offer for m in members], plan, held)
+            home = self._home(members)
+            plan = prefer_held(
+                fp, [m.offer for m in members], plan, held, streams=self.streams, home=home, min_nodes=self.min_nodes
+            )
             self.addresses.update({m.offer.node: m.address for m in members})
             devices = _devices(plan, self.addresses)
             want = [self.addresses[n] for n in plan.nodes]

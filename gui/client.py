@@ -233,6 +233,16 @@ class Client:
         d: dict[str, Any] = await self._json("PUT", f"{self.agent_url}/v1/cluster/model", json=body)
         return d
 
+    # -- model pulls into this laptop's store, through the local agent (agent/models/pulls.py) --
+    async def pull_model(self, model: str) -> dict[str, Any]:
+        d: dict[str, Any] = await self._json("POST", f"{self.agent_url}/v1/models/pull", json={"model": model})
+        return d
+
+    async def pulls(self) -> list[dict[str, Any]]:
+        d = await self._json("GET", f"{self.agent_url}/v1/models/pulls")
+        got = d.get("pulls") if isinstance(d, dict) else None
+        return [p for p in got or [] if isinstance(p, dict) and "model" in p]
+
     # -- the coordinator ---------------------------------------------------------------------
     async def models(self) -> list[str]:
         d = await self._json("GET", self._coordinator("/v1/models"), headers=self._headers())

@@ -319,7 +319,7 @@ THREE = [_o("a", 8), _o("b", 8), _o("c", 8)]  # best for 8 streams: (0, 4), (4, 
         ([[(0, 4), (4, 8), (8, 10)], [(0, 3), (3, 7), (7, 10)]], [(0, 4), (4, 8), (8, 10)]),
         # much slower (the last stage with the lm_head and 5 layers): exported anew
         ([[(0, 2), (2, 5), (5, 10)]], [(0, 4), (4, 8), (8, 10)]),
-        # another number of stages: not comparable
+        # two stages: for 8 streams about twice as slow: exported anew
         ([[(0, 5), (5, 10)]], [(0, 4), (4, 8), (8, 10)]),
         # nothing held
         ([], [(0, 4), (4, 8), (8, 10)]),
@@ -329,10 +329,55 @@ def test_a_held_split_is_kept_when_about_as_fast(
     held: list[list[tuple[int, int]]], ranges: list[tuple[int, int]]
 ) -> None:
     plan = plan_pipeline(FP, THREE, streams=8, hop_s=0.001)
-    got = prefer_held(FP, THREE, plan, held)
+    got = prefer_held(FP, THREE, plan, held, streams=8, hop_s=0.001)
     assert got.ranges == ranges
     assert got.nodes == plan.nodes
     assert got.bottleneck_s <= plan.bottleneck_s * 1.1
+
+
+@pytest.mark.parametrize(
+    ("offers", "streams", "min_nodes", "held", "nodes", "ranges"),
+    [
+        # the probes ranked b fastest this time: the held split fits best with its long middle on b
+        # (on the plan's order, b first, it would be 50% slower and exported anew)
+        (
+            [_o("a", 8, 100), _o("b", 8, 160), _o("c", 8, 100)],
+            8,
+            1,
+            [[(0, 3), (3, 9), (9, 10)]],
+            ["a", "b", "c"],
+            [(0, 3), (3, 9), (9, 10)],
+        ),
+        # one stream plans one node; two stages held cost one hop more (1%): kept, nothing exported
+        (THREE, 1, 1, [[(0, 5), (5, 10)]], ["a", "b"], [(0, 5), (5, 10)]),
+        # ... but not below the admin's least number of nodes: the plan stands
+        (THREE, 1, 3, [[(0, 5), (5, 10)]], ["a", "b", "c"], [(0, 4), (4, 8), (8, 10)]),
+        # two streams plan two nodes; three stages held are faster still: taken
+        (THREE, 2, 1, [[(0, 4), (4, 8), (8, 10)]], ["a", "b", "c"], [(0, 4), (4, 8), (8, 10)]),
+        # a held split needing more nodes than there are: the plan stands
+        ([_o("a", 8), _o("b", 8)], 2, 1, [[(0, 4), (4, 8), (8, 10)]], ["a", "b"], [(0, 6), (6, 10)]),
+    ],
+)
+def test_a_held_split_is_tried_in_every_order_and_stage_count(
+    offers: list[NodeOffer],
+    streams: int,
+    min_nodes: int,
+    held: list[list[tuple[int, int]]],
+    nodes: list[str],
+    ranges: list[tuple[int, int]],
+) -> None:
+    plan = plan_pipeline(FP, offers, streams=streams, hop_s=0.001, min_nodes=min_nodes)
+    got = prefer_held(FP, offers, plan, held, streams=streams, hop_s=0.001, min_nodes=min_nodes)
+    assert (got.nodes, got.ranges) == (nodes, ranges)
+    per_token = max(plan.bottleneck_s, plan.cycle_s / streams)
+    assert max(got.bottleneck_s, got.cycle_s / streams) <= per_token * 1.1
+
+
+def test_a_held_split_starts_on_the_coordinators_node_when_as_good() -> None:
+    # a, b, c alike: every order of the held split is as fast; the coordinator's node (c) goes first
+    plan = plan_pipeline(FP, THREE, streams=8, hop_s=0.001, home="c")
+    got = prefer_held(FP, THREE, plan, [[(0, 5), (5, 8), (8, 10)]], streams=8, hop_s=0.001, home="c")
+    assert got.ranges == [(0, 5), (5, 8), (8, 10)] and got.nodes[0] == "c"
 
 
 def test_a_held_split_that_a_node_cannot_hold_is_not_taken() -> None:
@@ -345,4 +390,4 @@ def test_a_held_split_that_a_node_cannot_hold_is_not_taken() -> None:
         bigger_middle[i], bigger_middle[i + 1] = (a, b + 1), (b + 1, bigger_middle[i + 1][1])
     assert bigger_middle != plan.ranges  # (b's stage one layer longer: more than b holds)
     assert fixed_plan(FP, small, plan.nodes, bigger_middle) is None
-    assert prefer_held(FP, small, plan, [bigger_middle]).ranges == plan.ranges
+    assert prefer_held(FP, small, plan, [bigger_middle], streams=8, hop_s=0.001).ranges == plan.ranges

@@ -21,6 +21,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,7 @@ def _set_model(port: int, model: str, weights: str) -> None:
         raise BenchError(f"the cluster's model was refused: {e.read().decode(errors='replace')[:300]}") from None
 
 
-def _form(root: Path, model: str, weights: str, timeout: float) -> float:
+def _form(root: Path, model: str, weights: str, timeout: float) -> Formed:
     """Seconds from the agents' start to the first token of the first answer."""
     homes = [{"LAKESHARD_HOME": str(root / f"agent{i}")} for i in range(NODES)]
     shared = {
@@ -85,7 +86,29 @@ def _form(root: Path, model: str, weights: str, timeout: float) -> float:
     with LocalCluster(NODES, elect=api, secure=True, form=True, env=shared, agent_envs=homes) as c:
         _set_model(c.api_ports[0], model, weights)
         got = _first_token(c.api_ports[-1], timeout)
-    return got - t0
+        served = _services(c.api_ports)
+    ranges = [(int(s["layers"][0]), int(s["layers"][1])) for s in served.get("plan") or []]
+    return Formed(got - t0, int(served.get("exported") or 0), ranges)
+
+
+@dataclass(frozen=True)
+class Formed:
+    seconds: float  # the agents' start to the first token
+    exported: int  # stages the coordinator exported (0: it found an export of its split)
+    ranges: list[tuple[int, int]]  # the split it serves
+
+
+def _services(ports: list[int]) -> dict[str, Any]:
+    """The coordinator's services' status (its plan, what it exported), from whichever agent runs them."""
+    for port in ports:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/cluster", timeout=10) as r:
+                st = json.loads(r.read())
+        except (OSError, ValueError):
+            continue
+        if isinstance(st.get("services"), dict):
+            return dict(st["services"])
+    return {}
 
 
 def _forget_identities(root: Path) -> None:
@@ -99,16 +122,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="lakeshard-bench-formation-") as tmp:
         root = Path(tmp)
         cold = _form(root, args.model, args.weights, args.timeout)
-        _say(f"cold: first token {cold:.1f} s after the agents started")
+        _say(f"cold: first token {cold.seconds:.1f} s after the agents started; split {cold.ranges}")
         _forget_identities(root)
         warm = _form(root, args.model, args.weights, args.timeout)
-        _say(f"warm: first token {warm:.1f} s after the agents started")
+        _say(f"warm: first token {warm.seconds:.1f} s after the agents started; split {warm.ranges}")
     return {
         "suite": "formation",
         "model": args.model,
         "weights": args.weights,
         "nodes": NODES,
-        "cold_s": round(cold, 2),
-        "warm_s": round(warm, 2),
+        "cold_s": round(cold.seconds, 2),
+        "warm_s": round(warm.seconds, 2),
         "answered": True,
+        "cold_split": cold.ranges,
+        "warm_split": warm.ranges,
+        "warm_exported_stages": warm.exported,  # 0: the warm cluster found the export it needed
     }
