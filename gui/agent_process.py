@@ -19,7 +19,7 @@ from pathlib import Path
 from gui.client import Client, Unreachable
 
 log = logging.getLogger(__name__)
-STOP_S = 1.5  # an agent leaves within this of SIGTERM (agent.shutdown); past it, it is killed
+STOP_S = 1.5  # an agent leaves within this of SIGTERM (agent.node.shutdown); past it, it is killed
 
 
 def log_folder() -> Path:

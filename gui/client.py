@@ -198,7 +198,7 @@ class Client:
         d: dict[str, Any] = await self._json("PUT", f"{self.agent_url}/v1/settings", json=body)
         return d
 
-    # -- cluster identity, through the local agent (agent/cluster_api.py) ---------------------
+    # -- cluster identity, through the local agent (agent/security/local_routes.py) ---------------------
     async def cluster_identity(self) -> dict[str, Any]:
         d: dict[str, Any] = await self._json("GET", f"{self.agent_url}/v1/cluster/identity")
         return d
@@ -223,7 +223,7 @@ class Client:
         d: dict[str, Any] = await self._json("POST", f"{self.agent_url}/v1/cluster/revoke", json={"node": node})
         return d
 
-    # -- the model the cluster serves, through the local agent (agent/cluster_model_api.py) -----
+    # -- the model the cluster serves, through the local agent (agent/api/cluster_model.py) -----
     async def cluster_model(self) -> dict[str, Any]:
         d: dict[str, Any] = await self._json("GET", f"{self.agent_url}/v1/cluster/model")
         return d

@@ -123,7 +123,7 @@ class Served:
         """``agent_envs``: one environment per agent over ``agent_env`` (e.g. its own LAKESHARD_HOME);
         ``ports``: the agents' data ports (default: free ones); ``secure``: TLS between the nodes,
         with the credentials in each process's home (default: plaintext, ``--insecure``)."""
-        from coordinator.local_cluster import LocalCluster, free_port
+        from coordinator.lab.local_cluster import LocalCluster, free_port
 
         self.cluster = LocalCluster(
             n, env=agent_env, agent_args=agent_args or (), agent_envs=agent_envs, ports=ports, secure=secure
@@ -210,7 +210,7 @@ def whole_int8(smollm2, export_root: Path):  # type: ignore[no-untyped-def]
 def exact_config(model: Any, nodes: list[str], term: int, **kw: Any) -> Any:
     """A coordinator config whose outputs compare token for token: INT8 weights, f32 all through."""
     from agent.export.exporter import ExportOptions
-    from coordinator.serve import ServeConfig
+    from coordinator.service.coordinator import ServeConfig
 
     return ServeConfig(
         nodes=nodes,

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.limits import (
+from coordinator.api.limits import (
     NETWORK_CONCURRENCY,
     NETWORK_RATE,
     TOTAL_INFLIGHT,
@@ -290,7 +290,7 @@ def test_limits_refuse_nonsense(bad: dict[str, Any]) -> None:
     ],
 )
 def test_config_serve_limits(serve: dict[str, Any], want: tuple[int, int]) -> None:
-    from agent.config import parse
+    from agent.common.config import parse
 
     s = parse({"serve": serve})
     assert (s.serve_api_rate, s.serve_api_concurrency) == want
@@ -309,7 +309,7 @@ def test_config_serve_limits(serve: dict[str, Any], want: tuple[int, int]) -> No
     ],
 )
 def test_config_serve_limits_are_validated(serve: dict[str, Any], message: str) -> None:
-    from agent.config import ConfigError, parse
+    from agent.common.config import ConfigError, parse
 
     with pytest.raises(ConfigError) as e:
         parse({"serve": serve})
@@ -339,9 +339,9 @@ def test_the_gateway_names_who_it_forwards_for_and_passes_retry_after_back() -> 
     import aiohttp
     from aiohttp import web
 
-    from agent import aio
-    from agent.gateway import async_forward
-    from coordinator.local_cluster import free_port
+    from agent.api.gateway import async_forward
+    from agent.common import aio
+    from coordinator.lab.local_cluster import free_port
 
     async def upstream(request: web.Request) -> web.Response:
         return web.json_response(

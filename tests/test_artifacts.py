@@ -101,7 +101,7 @@ async def test_an_interrupted_download_resumes_where_it_stopped(tmp_path: Path) 
     """The agent asks only for the missing bytes (HTTP Range) and reports its progress."""
     from aiohttp import web
 
-    from agent.stage_host import StageHost
+    from agent.serving.stage_host import StageHost
 
     blob = bytes(range(256)) * 4096  # 1 MiB
     (tmp_path / "model.bin").write_bytes(blob)

@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
-from agent import aio
-from coordinator.calibration import CalibrationStore, StageTime, fit_head_layers, propose, stage_time
-from coordinator.local_cluster import LocalCluster
-from coordinator.planner import balanced_split, model_costs
-from coordinator.scheduler import GenRequest
-from coordinator.serve import Coordinator
+from agent.common import aio
+from coordinator.lab.local_cluster import LocalCluster
+from coordinator.planning.calibration import CalibrationStore, StageTime, fit_head_layers, propose, stage_time
+from coordinator.planning.planner import balanced_split, model_costs
+from coordinator.ring.scheduler import GenRequest
+from coordinator.service.coordinator import Coordinator
 from tests.conftest import exact_config
 from tests.figures import report
 

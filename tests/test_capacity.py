@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.capacity import Capacity, DeviceMemory, device_memory, fingerprint, offered_devices, probe
+from agent.node.capacity import Capacity, DeviceMemory, device_memory, fingerprint, offered_devices, probe
 from agent.protocol import DeviceOffer
 from agent.runtime.device import DeviceError
 
@@ -72,7 +72,7 @@ def test_changed_fingerprint_remeasures(tmp_path: Path) -> None:
 def test_corrupt_cache(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     cache = tmp_path / "capacity.json"
     cache.write_bytes(b"\x00\xff garbage {{{")
-    with caplog.at_level(logging.WARNING, logger="agent.capacity"):
+    with caplog.at_level(logging.WARNING, logger="agent.node.capacity"):
         cap = _probe(cache)
     assert "corrupt" in caplog.text
     assert cap.devices[0].score > 0

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from coordinator.local_cluster import free_port
+from coordinator.lab.local_cluster import free_port
 from gui.chat.store import Store
 from gui.chat.window import ChatWindow
 from gui.client import Client, url_problem

@@ -370,7 +370,7 @@ class Member:
     """A CA holder: its LAKESHARD_HOME (made with ``cluster init``) and its agent process."""
 
     def __init__(self, home: Path) -> None:
-        from coordinator.local_cluster import free_port
+        from coordinator.lab.local_cluster import free_port
 
         self.home, self.port = home, free_port()
         (home / "config").mkdir(parents=True)
@@ -511,7 +511,7 @@ def test_forged_cluster_id(member: Member, tmp_path: Path) -> None:
 
 
 def test_unreachable_and_bad_tokens(tmp_path: Path) -> None:
-    from coordinator.local_cluster import free_port
+    from coordinator.lab.local_cluster import free_port
 
     tok = tokens.new_token(f"127.0.0.1:{free_port()}", pki.cluster_id_from_bytes(bytes(16))).encode()
     one_line_error(run_cli("cluster", "join", tok, env=joiner(tmp_path)), "cannot reach the cluster member")
@@ -535,7 +535,7 @@ def test_cli_argument_errors(member: Member) -> None:
 
 
 def test_default_invite_address(member: Member) -> None:
-    from agent.discovery import local_addresses
+    from agent.cluster.discovery import local_addresses
 
     r = run_cli("cluster", "invite", env=member.env)
     if not local_addresses():

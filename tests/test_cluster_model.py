@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.local_cluster import LocalCluster
+from coordinator.lab.local_cluster import LocalCluster
 from tests.conftest import post_chat, run_cli
 from tests.figures import report
 

@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from agent.bench import netns
-from agent.bench.lab import API_PORT, DATA_PORT, AgentLab, agreed, summary
-from agent.paths import cache_dir
+from agent.common.paths import cache_dir
 from agent.protocol import Ack, Beat, decode, encode
+from coordinator.lab import netns
+from coordinator.lab.agents import API_PORT, DATA_PORT, AgentLab, agreed, summary
 from tests.figures import report
 
 pytestmark = pytest.mark.skipif(netns.available() is not None, reason=netns.available() or "")

@@ -15,16 +15,16 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from agent import cluster_settings as cs
-from agent.cluster_model_api import validate
-from agent.cluster_settings import ClusterSettings, SettingsError
+from agent.api.cluster_model import validate
+from agent.cluster import settings as cs
+from agent.cluster.settings import ClusterSettings, SettingsError
+from agent.cluster.settings_gossip import SettingsGossip, effective
 from agent.protocol import Beat, DeviceOffer, Sealed, decode, encode
 from agent.protocol.control import MAX_BODY
 from agent.security import cluster, files
 from agent.security.credentials import Credentials
 from agent.security.datagrams import Signed
 from agent.security.transport import Transport
-from agent.settings_gossip import SettingsGossip, effective
 from tests.test_cluster_identity import make_member
 
 ME, PEER, OTHER = "0b0b0b0b0b0b", "0c0c0c0c0c0c", "0e0e0e0e0e0e"
@@ -279,7 +279,7 @@ def test_a_bad_document_does_not_replace_the_one_held(
             await runner.cleanup()
         return g
 
-    with caplog.at_level("WARNING", logger="agent.settings_gossip"):
+    with caplog.at_level("WARNING", logger="agent.cluster.settings_gossip"):
         g = asyncio.run(go())
     assert g.held == mine and cs.path(folder).read_bytes() == held
     st = g.status()

@@ -24,13 +24,13 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from agent import paths
-from agent.identity import node_id
+from agent.cluster.node_state import node_id
+from agent.common import paths
 from agent.security import cluster, files
 from agent.security.credentials import Credentials
 from agent.security.errors import SecurityError
 from agent.security.transport import Transport
-from coordinator.local_cluster import LocalCluster, free_port
+from coordinator.lab.local_cluster import LocalCluster, free_port
 from tests.conftest import Served, chat, post_chat, run_cli
 from tests.test_cluster_identity import make_member
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from agent.compute import GAP_WINDOW, ComputeThread, spin_pays
+from agent.serving.compute import GAP_WINDOW, ComputeThread, spin_pays
 
 
 @pytest.mark.parametrize(

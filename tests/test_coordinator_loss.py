@@ -23,8 +23,8 @@ import aiohttp
 import openai
 import pytest
 
-from agent.capacity import probe
-from coordinator.local_cluster import LocalCluster
+from agent.node.capacity import probe
+from coordinator.lab.local_cluster import LocalCluster
 from tests.conftest import PROMPTS
 from tests.figures import report
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from agent.config import Settings
-from agent.daemon import DaemonOptions, running
-from agent.elector import Peer
+from agent.cluster.elector import Peer
+from agent.common.config import Settings
+from agent.node.daemon import DaemonOptions, running
 from agent.protocol import Assign, Beat, DeviceOffer, Error, decode, encode
-from coordinator.planner import NodeOffer
+from coordinator.planning.planner import NodeOffer
 
 
 async def _until_coordinator(http: aiohttp.ClientSession, api: str, timeout: float = 15.0) -> dict[str, object]:
@@ -110,7 +110,7 @@ async def test_status_api_pause_switch_and_fencing(isolated_home: Path) -> None:
 async def test_agents_on_other_ports_of_one_machine_each_keep_their_own_node_id(isolated_home: Path) -> None:
     """Two agents sharing a machine (and its state folder) but not a port are two nodes; each
     keeps its id across a restart, and the one on the default port keeps the plain folder."""
-    from coordinator.local_cluster import free_port
+    from coordinator.lab.local_cluster import free_port
 
     ports = [free_port(), free_port()]
     opts = DaemonOptions(host="127.0.0.1", device="CPU", throttle=False, standalone=True, insecure=True)
@@ -133,7 +133,7 @@ async def test_agents_on_other_ports_of_one_machine_each_keep_their_own_node_id(
 def test_each_agent_process_writes_its_own_log_file(isolated_home: Path) -> None:
     """An agent on another data port keeps its state and its log apart from the default one's:
     its corrupt term file stops only it, and says so in its own log file."""
-    from coordinator.local_cluster import free_port
+    from coordinator.lab.local_cluster import free_port
     from tests.conftest import run_cli
 
     port = free_port()

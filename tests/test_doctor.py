@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import agent
-from agent.doctor import (
+from agent.doctor.report import (
     GIB,
     MIB,
     ORDER,

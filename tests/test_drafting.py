@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.drafting import LookupDrafter, ModelDrafter, likely_prefix, load_drafter
-from coordinator.speculative import accept
+from coordinator.speculative.decoding import accept
+from coordinator.speculative.drafting import LookupDrafter, ModelDrafter, likely_prefix, load_drafter
 
 
 @pytest.mark.parametrize(
@@ -111,7 +111,7 @@ def test_draft_model_stops_when_unsure(smollm2) -> None:  # type: ignore[no-unty
 def test_tokenizer_check_tells_a_changed_vocabulary(smollm2, tmp_path) -> None:  # type: ignore[no-untyped-def]
     import json
 
-    from coordinator.drafting import same_tokenizer
+    from coordinator.speculative.drafting import same_tokenizer
 
     src = smollm2.tokenizer_dir
     assert same_tokenizer(src, src)

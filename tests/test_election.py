@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import ConfigError, Settings, load, parse
-from agent.election import (
+from agent.cluster.election import (
     Action,
     Role,
     Situation,
@@ -23,7 +22,8 @@ from agent.election import (
     vote,
     yields_to,
 )
-from agent.identity import StateError, TermStore, node_id
+from agent.cluster.node_state import StateError, TermStore, node_id
+from agent.common.config import ConfigError, Settings, load, parse
 
 GB = 1024**3
 CFG = Settings(preferred=("boss",), exclude=frozenset({"flaky"}), min_coordinator_memory=2 * GB)
@@ -197,7 +197,7 @@ def test_bad_settings_are_named(data: object, error: str) -> None:
 
 
 def test_the_coordinator_ring_port_is_fixed_unless_set() -> None:
-    from agent.config import ring_port_for
+    from agent.common.config import ring_port_for
 
     assert parse({}).serve_ring_port is None and ring_port_for(7700) == 7702  # the default: port + 2
     assert parse({"serve": {"ring_port": 9000}}).serve_ring_port == 9000

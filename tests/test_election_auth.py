@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import Settings
-from agent.election import Role, TermState, Timing, data_term
-from agent.elector import Elector, LocalNode
-from agent.identity import TermStore
+from agent.cluster.election import Role, TermState, Timing, data_term
+from agent.cluster.elector import Elector, LocalNode
+from agent.cluster.node_state import TermStore
+from agent.common.config import Settings
 from agent.protocol import (
     Assign,
     Beat,
@@ -43,7 +43,7 @@ from agent.security.credentials import Credentials
 from agent.security.datagrams import Plain, Receiver, Signed, sealed
 from agent.security.fencing import CoordinatorFence
 from agent.security.transport import Transport
-from coordinator.local_cluster import LocalCluster, free_port
+from coordinator.lab.local_cluster import LocalCluster, free_port
 from tests.test_cluster_identity import make_member
 from tests.test_cluster_tls import Home
 from tests.udp import agreed, until

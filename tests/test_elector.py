@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import Settings
-from agent.elector import Elector, LocalNode
-from agent.identity import TermStore
+from agent.cluster.elector import Elector, LocalNode
+from agent.cluster.node_state import TermStore
+from agent.common.config import Settings
 from agent.protocol import Ack, Beat, DeviceOffer, decode, encode
 from tests.udp import agreed, ask, until
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from agent.eventstream import QUEUE, EventHub, diff
+from agent.api.events import QUEUE, EventHub, diff
 from agent.protocol.codec import ProtocolError
 from agent.protocol.events import (
     ClusterView,
@@ -185,7 +185,7 @@ def test_events_are_plain_json_objects_with_a_type() -> None:
 
 async def test_a_stopped_hub_ends_its_subscriptions() -> None:
     """A coordinator that steps down ends its readers' streams, so that relays find the new one."""
-    from agent.eventstream import HubClosed
+    from agent.api.events import HubClosed
 
     hub = EventHub(lambda: V, interval=0.01)
     hub.start()

@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from agent import aio
-from agent.bench.failover import generate_with_kill
-from coordinator.local_cluster import LocalCluster
-from coordinator.pipeline import PipelineError
-from coordinator.scheduler import GenRequest
-from coordinator.serve import Coordinator, ServeConfig
+from agent.common import aio
+from coordinator.bench.failover import generate_with_kill
+from coordinator.lab.local_cluster import LocalCluster
+from coordinator.ring.pipeline import PipelineError
+from coordinator.ring.scheduler import GenRequest
+from coordinator.service.coordinator import Coordinator, ServeConfig
 from tests.conftest import exact_config
 from tests.figures import report
 

@@ -25,12 +25,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.bench.fuzz_frames import TYPES, VICTIM_MARK, VICTIMS, join, mutate, valid_frames
-from agent.bench.live_fuzz import Hostile, generate, healthy, name_streams
-from agent.owners import Owners
 from agent.protocol import Close, Fwd, Head, Message, ProtocolError, decode, encode, tensor
-from coordinator.local_cluster import LocalCluster
-from coordinator.serve import Coordinator
+from agent.serving.owners import Owners
+from coordinator.lab.fuzz_frames import TYPES, VICTIM_MARK, VICTIMS, join, mutate, valid_frames
+from coordinator.lab.live_fuzz import Hostile, generate, healthy, name_streams
+from coordinator.lab.local_cluster import LocalCluster
+from coordinator.service.coordinator import Coordinator
 from tests.conftest import exact_config
 
 TERM = 1
@@ -113,7 +113,7 @@ def test_decoder_edges() -> None:
 
 
 def test_config_file_is_bounded(tmp_path: Any) -> None:
-    from agent.config import MAX_CONFIG_BYTES, ConfigError, load
+    from agent.common.config import MAX_CONFIG_BYTES, ConfigError, load
 
     big = tmp_path / "config.yaml"
     big.write_text("# " + "x" * MAX_CONFIG_BYTES)
@@ -207,7 +207,7 @@ def test_live_stages_survive_fuzzing_and_a_healthy_stream_is_untouched(ring: Rin
 
 def test_frames_from_a_random_seed_are_refused_quickly(ring: Ring) -> None:
     """The bench's own generator (the 100,000-frame run uses it) against the same agents."""
-    from agent.bench.fuzz_frames import hostile_frames
+    from coordinator.lab.fuzz_frames import hostile_frames
 
     frames = hostile_frames(random.Random(7).randrange(1 << 30), TERM, HIDDEN, victim=VICTIM_MARK)
     before = ring.hostile.tally.hangs

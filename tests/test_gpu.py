@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from agent import aio
+from agent.common import aio
 from agent.runtime.chain import Chain
 from agent.runtime.device import available_devices, choose_device
 from agent.runtime.stage import Stage
@@ -46,7 +46,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def exports(smollm2, export_root: Path) -> Iterator[dict[int, Any]]:  # type: ignore[no-untyped-def]
     from agent.export.exporter import ExportOptions, export_model
-    from coordinator.planner import balanced_split, model_costs
+    from coordinator.planning.planner import balanced_split, model_costs
 
     costs = model_costs(smollm2.config())
     out = {
@@ -195,9 +195,9 @@ _terms = itertools.count(1)
 
 def test_a_mixed_cluster_gpu_then_cpu_answers_like_the_cpu_chain(smollm2, exports, prompts) -> None:  # type: ignore[no-untyped-def]
     """Two agent processes, the first serving its stage on the GPU, the second on CPU cores."""
-    from coordinator.local_cluster import LocalCluster
-    from coordinator.scheduler import GenRequest
-    from coordinator.serve import Coordinator
+    from coordinator.lab.local_cluster import LocalCluster
+    from coordinator.ring.scheduler import GenRequest
+    from coordinator.service.coordinator import Coordinator
     from tests.conftest import exact_config
 
     want = Chain.load(exports[2].dir, device="CPU", exact=True).generate(prompts[3], max_tokens=TOKENS).tokens

@@ -11,11 +11,11 @@ import urllib.request
 
 import pytest
 
-from agent import aio
-from agent.stage_host import HEAD_PROBE_EVERY, head_split_pays
-from coordinator.local_cluster import LocalCluster
-from coordinator.scheduler import GenRequest
-from coordinator.serve import Coordinator
+from agent.common import aio
+from agent.serving.stage_host import HEAD_PROBE_EVERY, head_split_pays
+from coordinator.lab.local_cluster import LocalCluster
+from coordinator.ring.scheduler import GenRequest
+from coordinator.service.coordinator import Coordinator
 from tests.conftest import exact_config
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from agent import paths
+from agent.common import paths
 from tests.conftest import Served, chat
 
 HEARTBEAT_S = "1.5"  # a ping after 1.5 s of silence; no pong within 0.75 s closes the connection

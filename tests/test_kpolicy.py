@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.kpolicy import (
+from coordinator.speculative.kpolicy import (
     MAX_THRESHOLD,
     SpecCosts,
     SpecStats,

@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from coordinator.local_cluster import LocalCluster
+from coordinator.lab.local_cluster import LocalCluster
 
 
 def _identity(api_port: int) -> dict[str, object]:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from agent.bench.machine_load import OthersWindow, busy_cpu_s, others_share
+from coordinator.lab.machine_load import OthersWindow, busy_cpu_s, others_share
 
 pytestmark = pytest.mark.skipif(busy_cpu_s() is None, reason="no /proc/stat here")
 

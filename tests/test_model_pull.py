@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from agent.models.registry import REGISTRY
-from coordinator.local_cluster import LocalCluster
+from coordinator.lab.local_cluster import LocalCluster
 from gui.client import Client
 from tests.wheels import make_wheel
 

@@ -11,7 +11,7 @@ import torch
 
 from agent.export.exporter import ExportOptions, export_model
 from agent.runtime.chain import Chain
-from coordinator.planner import balanced_split, model_costs
+from coordinator.planning.planner import balanced_split, model_costs
 from tests.conftest import PROMPTS
 from tests.figures import report
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from agent.runtime.sampling import Sampling
-from coordinator.scheduler import prefill_chunks
+from coordinator.ring.scheduler import prefill_chunks
 from tests.conftest import PROMPTS, Served, chat, post_chat
 
 
@@ -253,9 +253,9 @@ def test_an_agent_that_hangs_up_on_its_assignment_is_named_with_its_close_code(t
 
     from aiohttp import web
 
-    from agent import aio
-    from coordinator.local_cluster import free_port
-    from coordinator.pipeline import Pipeline, PipelineError, StagePlacement
+    from agent.common import aio
+    from coordinator.lab.local_cluster import free_port
+    from coordinator.ring.pipeline import Pipeline, PipelineError, StagePlacement
 
     (tmp_path / "manifest.json").write_text("{}")
 

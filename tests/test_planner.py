@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.planner import (
+from coordinator.planning.planner import (
     Footprint,
     ModelCosts,
     NodeOffer,

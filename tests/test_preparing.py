@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from agent.cli_agent import PrepLines, event_line
-from agent.eventstream import EventHub, diff
+from agent.api.events import EventHub, diff
+from agent.cli.agent import PrepLines, event_line
 from agent.models.registry import ModelSpec
 from agent.models.store import ModelStore
 from agent.protocol.codec import ProtocolError
@@ -33,7 +33,7 @@ from agent.protocol.events import (
     apply_event,
     parse_event,
 )
-from coordinator.preparing import Preparer, node_key, node_step, sent_percent, stage_files
+from coordinator.service.preparing import Preparer, node_key, node_step, sent_percent, stage_files
 from tests.figures import report
 
 A = NodeInfo("aaa", "laptop-a", "10.0.0.1:7700", "coordinator", "available")
@@ -299,8 +299,8 @@ def test_a_fresh_cluster_shows_exporting_compiling_and_ready_on_its_stream_and_i
     """One elected agent serving SmolLM2 with fp16 weights, its export cache empty (so the export
     really runs): its local event stream carries exporting (stage 1 of 1), compiling, ready, in
     that order; ``lakeshard status --watch`` prints them, and not every percent."""
-    from agent.paths import models_dir
-    from coordinator.local_cluster import LocalCluster, free_port
+    from agent.common.paths import models_dir
+    from coordinator.lab.local_cluster import LocalCluster, free_port
 
     env = {"LAKESHARD_SHARED_CACHE": str(tmp_path / "shared"), "LAKESHARD_MODELS_DIR": str(models_dir())}
     serve = ["--serve-model", "smollm2-135m", "--serve-weights", "fp16", "--serve-api-port", str(free_port())]
@@ -347,14 +347,14 @@ def test_a_fresh_cluster_shows_exporting_compiling_and_ready_on_its_stream_and_i
 
 
 class _Here:
-    """The gateway's view of a daemon that coordinates itself (agent.gateway.Door): its hub."""
+    """The gateway's view of a daemon that coordinates itself (agent.api.gateway.Door): its hub."""
 
     def __init__(self, hub: EventHub) -> None:
         self.hub = hub
         self.session: Any = None
 
     def coordinator_target(self) -> Any:
-        from agent.gateway import Target
+        from agent.api.gateway import Target
 
         return Target("aaa", api=None, hub=self.hub, not_ready="preparing")
 
@@ -368,7 +368,7 @@ async def test_the_local_relay_passes_on_every_percent_the_hub_diffs() -> None:
     import aiohttp
     from aiohttp import web
 
-    from agent.gateway import add_local_routes
+    from agent.api.gateway import add_local_routes
 
     ticks = iter(range(1000))
     hub = EventHub(lambda: replace(V, preparing=replace(EXPORTING, percent=float(min(next(ticks), 100)))))

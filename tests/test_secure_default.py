@@ -27,11 +27,11 @@ from typing import Any
 import psutil
 import pytest
 
-from agent.config import ConfigError, parse
+from agent.common.config import ConfigError, parse
 from agent.security import files
 from agent.security.credentials import Credentials
 from agent.security.transport import NO_CLUSTER_HINT
-from coordinator.local_cluster import free_port
+from coordinator.lab.local_cluster import free_port
 from tests.conftest import REPO, run_cli
 
 pytestmark = pytest.mark.timeout(240)

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from agent.bench import netns
-from agent.bench.lab import DATA_PORT, AgentLab, agreed
-from agent.paths import cache_dir
+from agent.common.paths import cache_dir
+from coordinator.lab import netns
+from coordinator.lab.agents import DATA_PORT, AgentLab, agreed
 from tests.conftest import PROMPTS
 from tests.figures import report
 from tests.test_pipeline import _reference

@@ -26,7 +26,7 @@ from typing import Any
 import psutil
 import pytest
 
-from coordinator.local_cluster import LocalCluster, free_port
+from coordinator.lab.local_cluster import LocalCluster, free_port
 from tests.conftest import REPO
 from tests.figures import report
 

@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from agent import aio
+from agent.common import aio
 from tests.conftest import Served
 
 # A prompt whose answer repeats what it was given: prompt lookup finds drafts in it.

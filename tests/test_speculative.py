@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from agent import aio
+from agent.common import aio
 from agent.protocol import SamplingSpec
-from coordinator.kpolicy import SpecStats
-from coordinator.pipeline import run_token
-from coordinator.scheduler import GenRequest
-from coordinator.serve import Coordinator
+from coordinator.ring.pipeline import run_token
+from coordinator.ring.scheduler import GenRequest
+from coordinator.service.coordinator import Coordinator
+from coordinator.speculative.kpolicy import SpecStats
 from tests.conftest import exact_config
 from tests.figures import report
 
@@ -41,7 +41,7 @@ _terms = itertools.count(1)
 
 @pytest.fixture(scope="module")
 def cluster(smollm2) -> Iterator[Any]:  # type: ignore[no-untyped-def]
-    from coordinator.local_cluster import LocalCluster
+    from coordinator.lab.local_cluster import LocalCluster
 
     with LocalCluster(3) as c:
         yield c

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agent.cli_agent import format_status
+from agent.cli.agent import format_status
 
 NODE = {
     "node": "8e2b7ca7f8b1",

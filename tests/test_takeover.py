@@ -1,11 +1,11 @@
-"""A new coordinator adopts the running plan (coordinator/takeover.py): table-driven, no network."""
+"""A new coordinator adopts the running plan (coordinator/service/takeover.py): table-driven, no network."""
 
 from __future__ import annotations
 
 import pytest
 
 from agent.protocol import StageReport
-from coordinator.takeover import Held, Running, adopt
+from coordinator.service.takeover import Held, Running, adopt
 
 E1 = "a" * 32  # the running export (3 stages)
 E2 = "b" * 32  # the split for one node fewer (2 stages)

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.local_cluster import LocalCluster, free_port
+from coordinator.lab.local_cluster import LocalCluster, free_port
 from tests.conftest import REPO, post_chat
 from tests.figures import report
 from tests.xserver import missing, touch, wait_for, xvfb

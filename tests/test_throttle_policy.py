@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import ConfigError, load, parse
+from agent.common.config import ConfigError, load, parse
 from agent.throttle.idle import IdleProbe, parse_ioreg, parse_mutter, windows_idle_ms
 from agent.throttle.policy import AVAILABLE, LIMITED, PAUSED, Clock, Decision, ThrottleSettings, decide
 from agent.throttle.power import lid_closed
@@ -273,7 +273,7 @@ def test_the_probes_on_this_machine_read_or_say_none(monkeypatch: pytest.MonkeyP
 
 
 def test_the_benchmarks_resume_time_is_the_end_of_the_longest_stall() -> None:
-    from agent.bench.throttle import resume_after
+    from coordinator.bench.throttle import resume_after
 
     arrivals = [0.1, 0.2, 0.3, 1.0, 1.05, 3.5, 3.55, 3.6]  # input at 1.0; the stall ends at 3.5
     assert resume_after(arrivals, 1.0) == pytest.approx(2.5)

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from agent.protocol.events import Event, Snapshot, StreamFinished, StreamStarted
-from coordinator.local_cluster import LocalCluster, free_port
+from coordinator.lab.local_cluster import LocalCluster, free_port
 from gui.chat.store import Store
 from gui.chat.window import ChatWindow
 from gui.client import Client

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from agent.security import cluster
-from coordinator.local_cluster import free_port
+from coordinator.lab.local_cluster import free_port
 from gui.client import Client
 from gui.state import TrayState, waiting_for_cluster
 from gui.tray import TrayApp

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.local_cluster import LocalCluster
+from coordinator.lab.local_cluster import LocalCluster
 from gui.client import Client
 
 pytestmark = pytest.mark.timeout(300)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.local_cluster import free_port
+from coordinator.lab.local_cluster import free_port
 from tests.conftest import REPO
 from tests.xserver import missing, wait_for, xvfb
 

@@ -6,7 +6,7 @@ import asyncio
 import socket
 from collections.abc import Callable
 
-from agent.elector import Elector
+from agent.cluster.elector import Elector
 
 
 async def until(cond: Callable[[], bool], timeout: float = 15.0) -> None:

@@ -1,5 +1,5 @@
 """Helpers for tests that need a real display: the X server and input come from
-:mod:`agent.bench.xdisplay` (the throttle benchmark uses the same)."""
+:mod:`coordinator.lab.xdisplay` (the throttle benchmark uses the same)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from agent.bench.xdisplay import touch, xvfb
+from coordinator.lab.xdisplay import touch, xvfb
 
 T = TypeVar("T")
 __all__ = ["missing", "touch", "wait_for", "xvfb"]

@@ -24,11 +24,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from agent.common.hashing import sha256_file
+from agent.common.paths import exports_dir
+from agent.common.progress import step
 from agent.export.stage_module import StageSpec
-from agent.hashing import sha256_file
 from agent.models.store import LocalModel
-from agent.paths import exports_dir
-from agent.progress import step
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ from typing import Any
 
 import aiohttp
 
+from agent.common.hashing import sha256_file
+from agent.common.paths import exports_dir
 from agent.export.exporter import ExportResult, load_export
-from agent.hashing import sha256_file
-from agent.paths import exports_dir
 
 log = logging.getLogger(__name__)
 INDEX = "held-index.json"  # per export folder: the content id and every file's size and hash (cached)

@@ -28,8 +28,8 @@ from typing import Any
 
 from aiohttp import web
 
-from agent.cluster_api import local_only
-from agent.gateway import api_error
+from agent.api.gateway import api_error
+from agent.security.local_routes import local_only
 
 log = logging.getLogger(__name__)
 

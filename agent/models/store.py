@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.hashing import CHUNK, sha256_file
+from agent.common.hashing import CHUNK, sha256_file
+from agent.common.paths import models_dir
+from agent.common.progress import Progress, step
 from agent.models.registry import REGISTRY, ModelSpec
-from agent.paths import models_dir
-from agent.progress import Progress, step
 
 log = logging.getLogger(__name__)
 

@@ -102,7 +102,7 @@ def export_field(v: Any, name: str) -> str:
 @dataclass(frozen=True)
 class StageReport:
     """The stage a node serves (a part of :class:`Beat`): what a newly elected coordinator adopts
-    instead of planning and exporting again (see :mod:`coordinator.takeover`)."""
+    instead of planning and exporting again (see :mod:`coordinator.service.takeover`)."""
 
     model: str  # the model's name, as the export's manifest says
     export: str  # the export's content id
@@ -185,7 +185,7 @@ class Beat(Message):
     # each device it offers (older agents leave them out: score and mem_free above stand for the node)
     offers: tuple[DeviceOffer, ...] = ()
     # the version of the revocation list the sender holds (-1: none, or a plaintext node): members
-    # that hold an older one fetch the sender's (see agent.revocation_gossip)
+    # that hold an older one fetch the sender's (see agent.security.revocation_gossip)
     revocation: int = -1
     # the stage it serves now (None: none), and the exports it holds whole (newest first): a new
     # coordinator keeps running stages where they are and moves a lost one to a node that holds it
@@ -193,7 +193,7 @@ class Beat(Message):
     exports: tuple[str, ...] = ()
     needed: int = 0  # a coordinator's: the first ``needed`` exports are the cluster's (running, fallback): copy them
     # the cluster settings document the sender holds, as (version, set_by) (None: none; older
-    # agents leave it out): members that hold an older one fetch the sender's (agent.settings_gossip)
+    # agents leave it out): members that hold an older one fetch the sender's (agent.cluster.settings_gossip)
     settings: tuple[int, str] | None = None
 
     def header(self) -> dict[str, Any]:

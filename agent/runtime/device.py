@@ -9,7 +9,7 @@ from typing import Any
 
 import openvino as ov
 
-from agent.paths import compiled_cache_dir
+from agent.common.paths import compiled_cache_dir
 
 log = logging.getLogger(__name__)
 _core: ov.Core | None = None

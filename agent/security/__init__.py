@@ -19,7 +19,7 @@ only with ``--insecure``, plaintext; a node without credentials waits for a clus
 the CA, or plaintext), :mod:`agent.security.fencing` (an elected agent takes assignments only from
 the coordinator its election admitted for their term) and the operations in
 :mod:`agent.security.cluster` (what the CLI calls, and the local API's cluster routes in
-:mod:`agent.cluster_api`, which the tray calls).
+:mod:`agent.security.local_routes`, which the tray calls).
 """
 
 from agent.security.errors import JoinError, SecurityError

@@ -3,7 +3,7 @@
 On a secure link the peer's node id comes from its certificate (:func:`agent.security.transport.
 peer_middleware` puts it in ``request["peer"]``). An elected agent with credentials admits an
 :class:`~agent.protocol.Assign` only when that node is the coordinator it admitted for the
-assignment's election term (the term's upper bits: :func:`agent.election.data_term`):
+assignment's election term (the term's upper bits: :func:`agent.cluster.election.data_term`):
 
 * ``stale_term``: the assignment's election term is below this node's (a replayed or late
   command of an older coordinator);
@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from agent.election import EPOCH_BITS, TermState
+from agent.cluster.election import EPOCH_BITS, TermState
 from agent.protocol import ProtocolError
 
 WAIT_S = 3.0  # how long an assignment of a newer term waits for this node's election to admit it

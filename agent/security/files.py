@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from agent.paths import config_dir, write_bytes_atomic
+from agent.common.paths import config_dir, write_bytes_atomic
 
 CA_KEY = "ca.key"
 CA_CERT = "ca.crt"

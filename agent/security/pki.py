@@ -6,7 +6,7 @@
   in lower-case base32 without padding: 26 letters and digits, e.g.
   ``k3v7q2m9...``. It names the CA exactly (a second CA with the same id would need a 128-bit
   second preimage), fits the settings' ``cluster_id`` pattern, and can be read out over a phone.
-* A node certificate: ``CN=<node id>`` (12 hex digits, :func:`agent.identity.node_id`),
+* A node certificate: ``CN=<node id>`` (12 hex digits, :func:`agent.cluster.node_state.node_id`),
   ``O=<cluster id>``, a random serial, valid one year (never past the CA), for both TLS server
   and client use. The node makes its key and a CSR; only the CSR travels.
 """

@@ -41,8 +41,8 @@ def clock_now() -> Clock:
 class Contribution:
     def __init__(
         self,
-        me: Any,  # agent.elector.LocalNode: its state and reason are what beats and adverts carry
-        host: Any,  # agent.stage_host.StageHost
+        me: Any,  # agent.cluster.elector.LocalNode: its state and reason are what beats and adverts carry
+        host: Any,  # agent.serving.stage_host.StageHost
         settings: Callable[[], ThrottleSettings],
         enabled: bool = True,
         poll_s: float = 0.1,

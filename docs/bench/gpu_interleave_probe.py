@@ -29,7 +29,7 @@ from agent.export.exporter import ExportOptions, export_model
 from agent.models.store import ModelStore
 from agent.runtime.stage import Stage
 from agent.runtime.tokenizer import ChatTokenizer
-from coordinator.planner import balanced_split, model_costs
+from coordinator.planning.planner import balanced_split, model_costs
 
 PROMPTS = [
     "What is the capital of France? Tell me about the city.",

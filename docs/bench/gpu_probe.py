@@ -65,9 +65,9 @@ def main() -> int:
     )
     ap.add_argument("--exact-only", action="store_true", help="only exact mode (f32 activations and KV)")
     args = ap.parse_args()
-    from agent.bench.pipeline import resolve_model, synthetic_ids
     from agent.export.exporter import ExportOptions, export_model
-    from coordinator.planner import balanced_split, model_costs
+    from coordinator.bench.pipeline import resolve_model, synthetic_ids
+    from coordinator.planning.planner import balanced_split, model_costs
 
     result: dict[str, Any] = {"suite": "gpu_probe", "model": args.model, "devices": _devices(), "runs": []}
     print(json.dumps(result["devices"], indent=1), flush=True)

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.bench.pipeline import resolve_model, synthetic_ids
 from agent.export.exporter import ExportOptions, export_model
 from agent.models.store import LocalModel
 from agent.runtime.stage import Stage
-from coordinator.planner import balanced_split, model_costs
+from coordinator.bench.pipeline import resolve_model, synthetic_ids
+from coordinator.planning.planner import balanced_split, model_costs
 
 
 def _step(stage: Stage, st: object, ids: list[int]) -> int:

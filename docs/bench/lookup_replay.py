@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import os
 
-from agent.bench.spec_prompts import PROMPTS
 from agent.export.exporter import ExportOptions, export_model
 from agent.models.store import ModelStore
 from agent.runtime.chain import Chain
 from agent.runtime.tokenizer import ChatTokenizer
-from coordinator.drafting import LookupDrafter
+from coordinator.bench.spec_prompts import PROMPTS
+from coordinator.speculative.drafting import LookupDrafter
 
 
 def replay(items: list[tuple[list[int], list[int]]], k: int, bar: float, learn: bool) -> str:

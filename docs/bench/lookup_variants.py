@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 from lookup_replay import answers  # beside this file (python puts the script's folder on the path)
 
-from coordinator.drafting import LookupDrafter
+from coordinator.speculative.drafting import LookupDrafter
 
 Rule = Callable[[Sequence[int], int, dict[str, int]], list[int]]
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.bench.pipeline import synthetic_ids
 from agent.runtime.chain import Chain
+from coordinator.bench.pipeline import synthetic_ids
 
 PROMPT = 512
 

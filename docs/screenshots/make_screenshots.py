@@ -44,7 +44,7 @@ def main() -> int:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    from coordinator.local_cluster import LocalCluster
+    from coordinator.lab.local_cluster import LocalCluster
 
     print("screenshots: starting three agents", flush=True)
     names = ["alice-laptop", "bob-laptop", "carol-laptop"]

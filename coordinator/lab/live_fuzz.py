@@ -1,0 +1,164 @@
+"""Fuzzing live stages: hostile websocket connections, and a healthy stream beside them.
+
+:class:`Hostile` sends frames to agents' ``/ws`` over its own connections (a fresh one every
+``per_conn`` frames, so owned streams are also released by closing). After each frame it sends a
+:class:`Ping` with a unique clock value and reads until that :class:`Pong` comes back: the agent
+answered everything before it (errors are counted), or closed the connection (counted, and a new
+one opened). No Pong within ``timeout`` seconds is a hang. :func:`healthy` runs greedy requests
+through an in-process coordinator meanwhile, whose live stream's id the hostile frames aim at
+(:func:`name_streams`), and compares each one's tokens with an undisturbed run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import secrets
+import ssl
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from agent.protocol import Error, Ping, Pong, ProtocolError, decode, encode
+from coordinator.lab.fuzz_frames import VICTIM_MARK
+from coordinator.ring.scheduler import GenRequest
+from coordinator.service.coordinator import Coordinator
+
+
+@dataclass
+class Tally:
+    sent: int = 0
+    errors: int = 0  # Error frames answered
+    closes: int = 0  # connections the agent closed
+    hangs: int = 0  # frames after which the agent answered nothing within the timeout
+    codes: dict[str, int] = field(default_factory=dict)
+
+
+class Hostile:
+    def __init__(
+        self,
+        urls: list[str],
+        ssl_ctx: ssl.SSLContext | None = None,
+        per_conn: int = 200,
+        timeout: float = 10.0,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self.headers = headers or {}
+        self.urls, self.ssl_ctx, self.per_conn, self.timeout = urls, ssl_ctx, per_conn, timeout
+        self.tally = Tally()
+        self._session: aiohttp.ClientSession | None = None
+        self._ws: list[aiohttp.ClientWebSocketResponse | None] = [None] * len(urls)
+        self._used = [0] * len(urls)
+        self._turn = itertools.cycle(range(len(urls)))
+        self._clock = itertools.count(1)
+        self.victim: str | None = None  # the healthy stream's id, swapped in for VICTIM_MARK
+        self.victim_at = 0.0  # when it became known (monotonic)
+
+    async def __aenter__(self) -> Hostile:
+        connector = aiohttp.TCPConnector(ssl=self.ssl_ctx) if self.ssl_ctx else None
+        self._session = aiohttp.ClientSession(connector=connector)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for ws in self._ws:
+            if ws is not None:
+                await ws.close()
+        if self._session is not None:
+            await self._session.close()
+
+    async def _conn(self, i: int) -> aiohttp.ClientWebSocketResponse:
+        ws = self._ws[i]
+        if ws is None or ws.closed or self._used[i] >= self.per_conn:
+            if ws is not None:
+                await ws.close()
+            assert self._session is not None
+            ws = await self._session.ws_connect(self.urls[i], max_msg_size=0, compress=0, headers=self.headers)
+            self._ws[i], self._used[i] = ws, 0
+        self._used[i] += 1
+        return ws
+
+    async def send(self, frame: bytes | str, linger: float = 0.0) -> None:
+        """Send one frame to the next agent, and wait until it has answered it (see above);
+        ``linger``: then read errors for that much longer (those of the compute thread come later)."""
+        i = next(self._turn)
+        ws = await self._conn(i)
+        # an eavesdropper learns a stream's id from its start frame, so only once that has been sent:
+        # frames race it for the first 0.2 s (a plaintext peer that wins that race could squat the id)
+        if self.victim is not None and isinstance(frame, bytes) and time.monotonic() - self.victim_at > 0.2:
+            frame = frame.replace(VICTIM_MARK.encode(), self.victim.encode())
+        self.tally.sent += 1
+        mark = float(next(self._clock))
+        try:
+            await (ws.send_str(frame) if isinstance(frame, str) else ws.send_bytes(frame))
+            await ws.send_bytes(encode(Ping(sent=mark)))
+        except (ConnectionError, RuntimeError):
+            self.tally.closes += 1
+            return
+        try:
+            async with asyncio.timeout(self.timeout):
+                while True:
+                    m = await ws.receive()
+                    if m.type != aiohttp.WSMsgType.BINARY:
+                        self.tally.closes += 1
+                        return
+                    try:
+                        msg, _ = decode(m.data)
+                    except ProtocolError:
+                        continue
+                    if isinstance(msg, Pong) and msg.sent == mark:
+                        break
+                    self._count(msg)
+        except TimeoutError:
+            self.tally.hangs += 1
+            await ws.close()
+            return
+        if linger > 0:
+            try:
+                async with asyncio.timeout(linger):
+                    while (m := await ws.receive()).type == aiohttp.WSMsgType.BINARY:
+                        with contextlib.suppress(ProtocolError):
+                            self._count(decode(m.data)[0])
+            except TimeoutError:
+                pass
+
+    def _count(self, msg: object) -> None:
+        if isinstance(msg, Error):
+            self.tally.errors += 1
+            self.tally.codes[msg.code] = self.tally.codes.get(msg.code, 0) + 1
+
+
+def name_streams(coord: Coordinator, hostile: Hostile) -> None:
+    """Tell ``hostile`` each new stream's id (random and unguessable as always, but seen, as an
+    eavesdropper on a plaintext LAN would), so that its frames aim at the live stream."""
+    assert coord.pipeline is not None
+    pipeline = coord.pipeline
+
+    def new_stream() -> str:
+        hostile.victim, hostile.victim_at = "victim-" + secrets.token_hex(8), time.monotonic()
+        return hostile.victim
+
+    pipeline.new_stream = new_stream  # type: ignore[method-assign]
+
+
+async def generate(coord: Coordinator, prompt: list[int], tokens: int) -> list[int]:
+    assert coord.scheduler is not None
+    req = GenRequest(prompt=tuple(prompt), max_tokens=tokens)
+    return [t async for t in coord.scheduler.async_generate(req)]
+
+
+async def healthy(
+    coord: Coordinator, prompt: list[int], tokens: int, reference: list[int], until: asyncio.Event
+) -> tuple[int, int]:
+    """Greedy requests one after another until ``until`` is set (at least one): how many ran, and
+    how many differed from ``reference`` (a request that failed counts as differing)."""
+    differ, runs = 0, 0
+    while runs == 0 or not until.is_set():
+        try:
+            got = await generate(coord, prompt, tokens)
+        except Exception:
+            got = []
+        differ += got != reference
+        runs += 1
+    return runs, differ

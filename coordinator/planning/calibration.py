@@ -1,0 +1,125 @@
+"""Split costs learnt from measured stage times, so the next plan balances the real hardware.
+
+The planner's cost model counts multiply-accumulates. How much the lm_head weighs against a
+decoder layer depends on the device, precision and thread count (on a 4-core Xeon slice in
+f32 the Qwen2.5-0.5B head costs about 6 layers, not the 8 its weights suggest), and the
+slowest stage sets a pipeline's pace. So the coordinator reads each stage's median step time,
+fits ``t = a * layers + b * [holds the head]`` and keeps ``b / a`` (the head in layers) per
+model and weights, in the state folder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent.common.paths import state_dir, write_json_atomic
+
+log = logging.getLogger(__name__)
+HEAD_LIMITS = (0.25, 64.0)  # a fit outside this says the measurement was noise
+MIN_FRAMES = 32  # steps a stage must have timed before its median counts
+
+
+@dataclass(frozen=True)
+class StageTime:
+    start: int
+    end: int
+    last: bool
+    step_ms: float
+
+    @property
+    def layers(self) -> int:
+        return self.end - self.start
+
+
+def fit_head_layers(stages: Sequence[StageTime]) -> float | None:
+    """The head's cost in decoder layers, from stage step times; None when it cannot be told.
+
+    The per-layer time comes from the stages without the head (their total time over their
+    total layers), the head's from what the last stage takes beyond its layers.
+    """
+    body = [s for s in stages if not s.last]
+    last = [s for s in stages if s.last]
+    if not body or len(last) != 1 or any(s.step_ms <= 0 for s in stages):
+        return None
+    n = sum(s.layers for s in body)
+    if n <= 0:
+        return None
+    per_layer = sum(s.step_ms for s in body) / n
+    head = (last[0].step_ms - per_layer * last[0].layers) / per_layer
+    if not HEAD_LIMITS[0] <= head <= HEAD_LIMITS[1]:
+        return None
+    return head
+
+
+def bottleneck_ms(ranges: Sequence[tuple[int, int]], per_layer_ms: float, head_layers: float) -> float:
+    """The slowest stage's predicted step time for ``ranges`` (the last holds the head)."""
+    costs = [(e - s) + (head_layers if i == len(ranges) - 1 else 0.0) for i, (s, e) in enumerate(ranges)]
+    return max(costs) * per_layer_ms
+
+
+class CalibrationStore:
+    """``{key: head_layers}`` in ``calibration.json`` of the state folder; a bad file is ignored."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or state_dir() / "calibration.json"
+
+    def _read(self) -> dict[str, float]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(data, dict):
+            return {}
+        return {k: float(v) for k, v in data.items() if isinstance(v, int | float)}
+
+    def get(self, key: str) -> float | None:
+        return self._read().get(key)
+
+    def update(self, key: str, head_layers: float) -> None:
+        """Keep the latest fit (a median over many steps; the hardware may have changed)."""
+        data = self._read()
+        data[key] = round(head_layers, 4)
+        try:
+            write_json_atomic(self.path, data, indent=1, sort_keys=True)
+        except OSError as e:
+            log.warning("cannot save the split calibration: %s", e)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    head_layers: float
+    ranges: list[tuple[int, int]]
+    current_ms: float  # the slowest stage now (measured)
+    predicted_ms: float  # the slowest stage of ``ranges`` (from the fit)
+
+    def pays(self, min_gain: float) -> bool:
+        return self.predicted_ms < self.current_ms * (1.0 - min_gain)
+
+
+def propose(
+    stages: Sequence[StageTime], head_layers: float, plan: Callable[[float], list[tuple[int, int]]]
+) -> Proposal:
+    """The split ``plan(head_layers)`` would give, and its predicted bottleneck against now's."""
+    body = [s for s in stages if not s.last]
+    per_layer = sum(s.step_ms for s in body) / max(1, sum(s.layers for s in body))
+    ranges = plan(head_layers)
+    current = [(s.start, s.end) for s in stages]
+    predicted = bottleneck_ms(ranges, per_layer, head_layers) if ranges != current else max(s.step_ms for s in stages)
+    return Proposal(head_layers, ranges, max(s.step_ms for s in stages), predicted)
+
+
+def stage_time(status: dict[str, Any]) -> StageTime | None:
+    """A stage's layers and median step from an agent's ``/v1/node`` (standalone or daemon)."""
+    st = status.get("stage") if isinstance(status.get("stage"), dict) else status
+    if not isinstance(st, dict) or int(st.get("frames") or 0) < MIN_FRAMES:
+        return None
+    try:
+        start, end = (int(x) for x in st["layers"])
+        return StageTime(start, end, int(st["stage"]) == int(st["stages"]) - 1, float(st["step_ms_p50"]))
+    except (KeyError, TypeError, ValueError):
+        return None
