@@ -21,12 +21,14 @@ run: setup
 test: setup
 	$(BIN)/ruff check agent coordinator gui tests
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
 
 lint: setup
 	$(BIN)/ruff check agent coordinator gui tests
 	$(BIN)/ruff format --check agent coordinator gui tests
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 bench-parity: setup
 	$(BIN)/lakeshard bench parity --model qwen2.5-coder-0.5b --weights int4 --json

@@ -87,13 +87,6 @@ def _setup_logging() -> None:
     root.addHandler(fh)
 
 
-def add_parser(sub: Any) -> None:
-    t = sub.add_parser("tray", help="the system-tray app: this laptop's state, the chat window and the node map")
-    t.add_argument("--api-port", type=int, default=None, help="the local agent's status API port (default: settings)")
-    t.add_argument("--no-agent", action="store_true", help="attach to a running agent only; never start one")
-    t.add_argument("--agent-arg", action="append", default=[], help="an extra argument for the agent it starts")
-
-
 def run_tray(args: argparse.Namespace) -> int:
     import qasync
     from PySide6.QtCore import QTimer

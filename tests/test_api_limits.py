@@ -10,10 +10,8 @@ from typing import Any
 
 import pytest
 
+from agent.common.limits import NETWORK_CONCURRENCY, NETWORK_RATE, TOTAL_INFLIGHT
 from coordinator.api.limits import (
-    NETWORK_CONCURRENCY,
-    NETWORK_RATE,
-    TOTAL_INFLIGHT,
     Bucket,
     Limiter,
     Limits,

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from agent.common import aio
+from coordinator.batching.scheduler import GenRequest
 from coordinator.lab.local_cluster import LocalCluster
 from coordinator.planning.calibration import CalibrationStore, StageTime, fit_head_layers, propose, stage_time
 from coordinator.planning.planner import balanced_split, model_costs
-from coordinator.ring.scheduler import GenRequest
 from coordinator.service.coordinator import Coordinator
 from tests.conftest import exact_config
 from tests.figures import report

@@ -11,10 +11,10 @@ import aiohttp
 import pytest
 
 from agent.cluster.elector import Peer
+from agent.cluster.offers import NodeOffer
 from agent.common.config import Settings
 from agent.node.daemon import DaemonOptions, running
 from agent.protocol import Assign, Beat, DeviceOffer, Error, decode, encode
-from coordinator.planning.planner import NodeOffer
 
 
 async def _until_coordinator(http: aiohttp.ClientSession, api: str, timeout: float = 15.0) -> dict[str, object]:

@@ -23,6 +23,7 @@ import pytest
 
 from agent.cluster.election import Role, TermState, Timing, data_term
 from agent.cluster.elector import Elector, LocalNode
+from agent.cluster.fencing import CoordinatorFence
 from agent.cluster.node_state import TermStore
 from agent.common.config import Settings
 from agent.protocol import (
@@ -41,7 +42,6 @@ from agent.protocol import (
 from agent.security import cluster, files
 from agent.security.credentials import Credentials
 from agent.security.datagrams import Plain, Receiver, Signed, sealed
-from agent.security.fencing import CoordinatorFence
 from agent.security.transport import Transport
 from coordinator.lab.local_cluster import LocalCluster, free_port
 from tests.test_cluster_identity import make_member

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from agent.common import aio
+from coordinator.batching.scheduler import GenRequest
 from coordinator.bench.failover import generate_with_kill
 from coordinator.lab.local_cluster import LocalCluster
 from coordinator.ring.pipeline import PipelineError
-from coordinator.ring.scheduler import GenRequest
 from coordinator.service.coordinator import Coordinator, ServeConfig
 from tests.conftest import exact_config
 from tests.figures import report

@@ -195,8 +195,8 @@ _terms = itertools.count(1)
 
 def test_a_mixed_cluster_gpu_then_cpu_answers_like_the_cpu_chain(smollm2, exports, prompts) -> None:  # type: ignore[no-untyped-def]
     """Two agent processes, the first serving its stage on the GPU, the second on CPU cores."""
+    from coordinator.batching.scheduler import GenRequest
     from coordinator.lab.local_cluster import LocalCluster
-    from coordinator.ring.scheduler import GenRequest
     from coordinator.service.coordinator import Coordinator
     from tests.conftest import exact_config
 

@@ -13,8 +13,8 @@ import pytest
 
 from agent.common import aio
 from agent.serving.stage_host import HEAD_PROBE_EVERY, head_split_pays
+from coordinator.batching.scheduler import GenRequest
 from coordinator.lab.local_cluster import LocalCluster
-from coordinator.ring.scheduler import GenRequest
 from coordinator.service.coordinator import Coordinator
 from tests.conftest import exact_config
 

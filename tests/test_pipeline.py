@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from agent.runtime.sampling import Sampling
-from coordinator.ring.scheduler import prefill_chunks
+from coordinator.batching.scheduler import prefill_chunks
 from tests.conftest import PROMPTS, Served, chat, post_chat
 
 

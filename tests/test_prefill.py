@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.ring.scheduler import PREFILL_CHUNK, prefill_chunks
+from coordinator.batching.scheduler import PREFILL_CHUNK, prefill_chunks
 
 
 @pytest.mark.parametrize(

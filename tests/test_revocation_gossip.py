@@ -19,11 +19,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from agent.cluster.revocation_gossip import RevocationGossip
 from agent.protocol import Beat
 from agent.security import cluster, files, revocation
 from agent.security.credentials import Credentials
 from agent.security.errors import SecurityError
-from agent.security.revocation_gossip import RevocationGossip
 from agent.security.transport import Transport
 from coordinator.lab.local_cluster import LocalCluster
 from tests.test_cluster_identity import make_member
@@ -221,7 +221,7 @@ def test_a_bad_list_does_not_replace_the_one_held(
             await runner.cleanup()
         return again, direct
 
-    with caplog.at_level("WARNING", logger="agent.security.revocation_gossip"):
+    with caplog.at_level("WARNING", logger="agent.cluster.revocation_gossip"):
         again, direct = asyncio.run(go())
     assert not again and not direct
     assert me.revocation_version == version

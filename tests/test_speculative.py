@@ -16,8 +16,8 @@ import pytest
 
 from agent.common import aio
 from agent.protocol import SamplingSpec
+from coordinator.batching.scheduler import GenRequest
 from coordinator.ring.pipeline import run_token
-from coordinator.ring.scheduler import GenRequest
 from coordinator.service.coordinator import Coordinator
 from coordinator.speculative.kpolicy import SpecStats
 from tests.conftest import exact_config

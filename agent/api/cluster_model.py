@@ -28,11 +28,10 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from agent.api.gateway import api_error
 from agent.cluster.settings import LOOKUP, SettingsError, check_draft, check_model, check_weights, draft_model
 from agent.cluster.settings_gossip import CHOOSE_HINT, Effective, SettingsGossip
 from agent.common.config import WEIGHTS
-from agent.security.local_routes import local_only
+from agent.common.http import api_error, local_only
 
 log = logging.getLogger(__name__)
 

@@ -34,6 +34,7 @@ from aiohttp import web
 
 from agent.api.events import HEARTBEAT_S, EventHub, HubClosed, async_serve_events
 from agent.api.resume import RESUME_HEADER, async_stream_with_resume, async_whole_with_retry
+from agent.common.http import api_error
 from agent.protocol.events import MAX_EVENT_BYTES, CoordinatorLost
 from agent.security import transport
 from agent.security.errors import SecurityError
@@ -69,24 +70,6 @@ class Door(Protocol):
 
 
 DOOR: web.AppKey[Door] = web.AppKey("door")
-
-
-def api_error(status: int, message: str, code: str, kind: str = "server_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "code": code}}, status=status)
-
-
-@web.middleware
-async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Every error is OpenAI's JSON error object, unknown routes and methods included."""
-    try:
-        response: web.StreamResponse = await handler(request)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        kind = "invalid_request_error" if e.status < 500 else "server_error"
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status)
-        return api_error(e.status, f"{request.method} {request.path}: {e.reason}", code or "error", kind)
-    return response
 
 
 def _no_coordinator() -> web.Response:

@@ -31,8 +31,9 @@ import yaml
 from aiohttp import web
 
 from agent.api.cluster_model import ModelDoor, add_model_routes, check_override
-from agent.api.gateway import Door, Target, add_local_routes, describe, json_errors
+from agent.api.gateway import Door, Target, add_local_routes, describe
 from agent.common.config import ConfigError, Settings, config_file, load, parse
+from agent.common.http import json_errors
 from agent.common.logs import set_file_level
 from agent.common.paths import write_text_atomic
 from agent.models.pulls import add_pull_routes

@@ -10,6 +10,8 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agent.cli.args import Commands, port, positive_int
+
 if TYPE_CHECKING:
     from agent.protocol.events import Preparation
 
@@ -18,11 +20,12 @@ class AgentCliError(Exception):
     pass
 
 
-def add_parsers(sub: Any, port_type: Any, positive_int: Any) -> None:
-    ag = sub.add_parser("agent", help="run this machine's agent: discovery, election, and a pipeline stage")
+def add_commands(commands: Commands) -> None:
+    commands.user_errors.append(AgentCliError)
+    ag = commands.add("agent", "run this machine's agent: discovery, election, and a pipeline stage", run_agent)
     ag.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces)")
-    ag.add_argument("--port", type=port_type, help="data port, TCP and UDP (default: settings, else 7700)")
-    ag.add_argument("--api-port", type=port_type, help="local status API port on 127.0.0.1 (default 7701; 0: any)")
+    ag.add_argument("--port", type=port, help="data port, TCP and UDP (default: settings, else 7700)")
+    ag.add_argument("--api-port", type=port, help="local status API port on 127.0.0.1 (default 7701; 0: any)")
     ag.add_argument("--config", type=Path, help="settings file (default: config.yaml in the config folder)")
     ag.add_argument("--cluster", help="cluster id (default: settings, else 'default')")
     ag.add_argument("--name", help="what node maps call this laptop (default: settings, else the host name)")
@@ -34,9 +37,9 @@ def add_parsers(sub: Any, port_type: Any, positive_int: Any) -> None:
     )
     ag.add_argument("--serve-model", help="serve this model when elected (overrides the cluster's model)")
     ag.add_argument("--serve-weights", choices=["fp32", "fp16", "int8", "int4"], help="its weight format")
-    ag.add_argument("--serve-api-port", type=port_type, help="the coordinator's API port on 127.0.0.1 (8000)")
+    ag.add_argument("--serve-api-port", type=port, help="the coordinator's API port on 127.0.0.1 (8000)")
     ag.add_argument(
-        "--serve-ring-port", type=port_type, help="the coordinator's ring and stage-file port (data port + 2; 0: any)"
+        "--serve-ring-port", type=port, help="the coordinator's ring and stage-file port (data port + 2; 0: any)"
     )
     ag.add_argument("--serve-exact", action="store_true", help="f32 activations, KV and wire (parity checks)")
     ag.add_argument("--device", default="AUTO", help="AUTO (GPU if present, else CPU), CPU, GPU or NPU")
@@ -65,8 +68,10 @@ def add_parsers(sub: Any, port_type: Any, positive_int: Any) -> None:
         "loudly. Without it an agent never speaks plaintext: with no cluster credentials it waits for "
         "'lakeshard cluster init' or 'cluster join' (its status API only)",
     )
-    st = sub.add_parser("status", help="show this node, its peers and the coordinator, as the local agent sees them")
-    st.add_argument("--api-port", type=port_type, default=None, help="the local agent's status API port")
+    st = commands.add(
+        "status", "show this node, its peers and the coordinator, as the local agent sees them", run_status
+    )
+    st.add_argument("--api-port", type=port, default=None, help="the local agent's status API port")
     st.add_argument("--json", action="store_true", help="print the raw JSON of /v1/node and /v1/cluster")
     st.add_argument(
         "--watch", action="store_true", help="follow the coordinator's event stream: a line per change, until ^C"

@@ -12,12 +12,17 @@ import json
 import sys
 from typing import Any
 
+from agent.cli.args import Commands
+
 # an agent without credentials polls its security folder (agent/node/unjoined.py)
 WAITING_AGENT = "an agent waiting for a cluster on this machine starts as a member within a second"
 
 
-def add_parsers(sub: Any) -> None:
-    cl = sub.add_parser("cluster", help="cluster identity: make a CA, invite and join nodes, revoke them")
+def add_commands(commands: Commands) -> None:
+    from agent.security import SecurityError
+
+    commands.user_errors.append(SecurityError)
+    cl = commands.add("cluster", "cluster identity: make a CA, invite and join nodes, revoke them", run_cluster)
     csub = cl.add_subparsers(dest="cluster_cmd", required=True, metavar="ACTION")
     i = csub.add_parser("init", help="make a new cluster: its CA here, and this node its first member")
     i.add_argument("--force", action="store_true", help="replace this node's credentials (every member rejoins)")

@@ -178,7 +178,7 @@ def parse(d: Any) -> Settings:
     unknown = set(d) - KNOWN
     if unknown:
         raise ConfigError(f"unknown setting(s): {', '.join(sorted(map(str, unknown)))}")
-    from coordinator.api.limits import MAX_CONCURRENCY, MAX_RATE
+    from agent.common.limits import MAX_CONCURRENCY, MAX_RATE
 
     disc, elec, serve = _section(d, "discovery"), _section(d, "election"), _section(d, "serve")
     unknown = set(serve) - SERVE_KEYS

@@ -8,7 +8,6 @@ exit status is 1 when a check fails, else 0.
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -220,19 +219,3 @@ def render_table(checks: Sequence[Check], version: str) -> str:
 
 def to_json(checks: Sequence[Check], version: str) -> str:
     return json.dumps({"version": version, "status": overall(checks), "checks": [asdict(c) for c in checks]})
-
-
-def add_parser(sub: Any, port_type: Any) -> None:
-    dr = sub.add_parser("doctor", help="check what this laptop offers (devices, memory, ports, mDNS, tray, sensors)")
-    dr.add_argument("--json", action="store_true", help="print one JSON object on the last line")
-    dr.add_argument("--port", type=port_type, help="the data port to check (default: settings, else 7700)")
-    dr.add_argument("--api-port", type=port_type, help="the status API port to check (default: settings, else 7701)")
-    dr.add_argument("--config", help="settings file (default: config.yaml in the config folder)")
-
-
-def run_doctor(args: argparse.Namespace) -> int:
-    from agent.doctor.probe import gather
-
-    checks, version = gather(args.config, args.port, args.api_port)
-    print(to_json(checks, version) if args.json else render_table(checks, version))
-    return 1 if overall(checks) == "fail" else 0

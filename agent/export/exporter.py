@@ -307,9 +307,9 @@ def export_stage(job: dict[str, Any]) -> dict[str, Any]:
     import openvino as ov
     from transformers import AutoConfig
 
-    from agent.export.checkpoint import GGUFCheckpoint, opened
     from agent.export.ir import convert_head, convert_stage
     from agent.export.stage_module import HeadPart, StageModule, head_rows
+    from agent.models.checkpoint import GGUFCheckpoint, opened
 
     spec = StageSpec(**job["spec"])
     opts = ExportOptions(**job["opts"])

@@ -28,8 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
-from agent.api.gateway import api_error
-from agent.security.local_routes import local_only
+from agent.common.http import api_error, local_only
 
 log = logging.getLogger(__name__)
 

@@ -277,7 +277,7 @@ def _write_sidecars(checkpoint: Path, dest: Path, quiet: bool) -> dict[str, Any]
     """config.json and the tokenizer (chat template included) next to the model."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from agent.export.checkpoint import check_supported
+    from agent.models.checkpoint import check_supported
 
     step(f"reading config and tokenizer of {checkpoint.name}", not quiet)
     kw: dict[str, Any] = {}

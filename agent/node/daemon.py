@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import ipaddress
 import logging
 import socket
@@ -48,18 +47,20 @@ from agent.api.local import make_local_app, serve_local
 from agent.cluster.discovery import MIB, Advert, Discovery
 from agent.cluster.election import Role, Timing, data_term
 from agent.cluster.elector import Elector, LocalNode
+from agent.cluster.fencing import CoordinatorFence
 from agent.cluster.node_state import TermStore, node_id
+from agent.cluster.offers import Member, NodeOffer
+from agent.cluster.revocation_gossip import RevocationGossip
 from agent.cluster.settings_gossip import Effective, SettingsGossip, effective
 from agent.common.config import Settings, ring_port_for
 from agent.common.paths import agent_state_dir, log_dir
 from agent.export import held as held_exports
-from agent.export.replication import ExportCopies, HeardPeer
+from agent.node.replication import ExportCopies, HeardPeer
+from agent.node.roles import NoCoordinator, Services, ServicesSpec, load_factory
 from agent.node.shutdown import bounded
 from agent.protocol.events import NodeInfo
 from agent.security import transport
 from agent.security.datagrams import for_credentials
-from agent.security.fencing import CoordinatorFence
-from agent.security.revocation_gossip import RevocationGossip
 from agent.security.routes import add_cluster_routes, membership
 from agent.serving.endpoint import make_app
 from agent.serving.stage_host import StageHost
@@ -168,7 +169,8 @@ class AgentDaemon:
         self._advertised: Advert | None = None
         self._runners: list[web.AppRunner] = []
         self._tasks: list[asyncio.Task[None]] = []
-        self.services: Any = None  # coordinator.service.role.CoordinatorRole while this node coordinates
+        self.services: Services | None = None  # while this node coordinates
+        self.no_services: str | None = None  # why this agent cannot coordinate (no coordinator installed)
         self.session: aiohttp.ClientSession | None = None  # forwarding to the coordinator
         # the user's switch and the throttle policy: this node's state, applied to its stage
         self.contrib = Contribution(
@@ -339,10 +341,12 @@ class AgentDaemon:
 
     async def _coordinate(self) -> None:
         """Run the coordinator's services while this node is the elected coordinator."""
-        await asyncio.to_thread(importlib.import_module, "coordinator.service.role")  # (torch: seconds, off the loop)
-        from coordinator.api.limits import TOTAL_INFLIGHT, Limits
-        from coordinator.service.role import CoordinatorRole
-
+        try:
+            make_services = await asyncio.to_thread(load_factory)  # (imports torch: seconds, off the loop)
+        except (NoCoordinator, ImportError) as err:
+            self.no_services = str(err)
+            log.error("this agent cannot coordinate: %s", err)
+            return
         e = self.elector
         assert e is not None
         while True:
@@ -367,23 +371,26 @@ class AgentDaemon:
             if leading and self.services is None:
                 s = self.settings
                 self._serving = want.key
-                self.services = CoordinatorRole(
-                    model=want.model,
-                    weights=want.weights,
-                    draft=want.draft,
-                    name=self.display_name(),
-                    api_port=s.serve_api_port,
-                    ring_port=s.serve_ring_port if s.serve_ring_port is not None else ring_port_for(self.me.port),
-                    streams=s.serve_streams,
-                    min_nodes=s.serve_min_nodes,
-                    api_limits=Limits(s.serve_api_rate, s.serve_api_concurrency, TOTAL_INFLIGHT),
-                    exact=s.serve_exact,
-                    term=term,
-                    my_address=f"{self._my_ip()}:{self.me.port}",
-                    members=self._members,
-                    nodes=self.node_infos,
-                    cluster=s.cluster_id,
-                    needed_before=lambda: self.copies.cluster_needs,
+                self.services = make_services(
+                    ServicesSpec(
+                        model=want.model,
+                        weights=want.weights,
+                        draft=want.draft,
+                        name=self.display_name(),
+                        api_port=s.serve_api_port,
+                        ring_port=s.serve_ring_port if s.serve_ring_port is not None else ring_port_for(self.me.port),
+                        streams=s.serve_streams,
+                        min_nodes=s.serve_min_nodes,
+                        api_rate=s.serve_api_rate,
+                        api_concurrency=s.serve_api_concurrency,
+                        exact=s.serve_exact,
+                        term=term,
+                        my_address=f"{self._my_ip()}:{self.me.port}",
+                        members=self._members,
+                        nodes=self.node_infos,
+                        cluster=s.cluster_id,
+                        needed_before=lambda: self.copies.cluster_needs,
+                    )
                 )
                 self.services.start()
 
@@ -422,10 +429,7 @@ class AgentDaemon:
         ]
         return sorted(out, key=lambda h: h.node != leader)
 
-    def _members(self) -> list[Any]:
-        from coordinator.planning.planner import NodeOffer
-        from coordinator.service.role import Member
-
+    def _members(self) -> list[Member]:
         e = self.elector
         assert e is not None
         me = self.me
@@ -626,6 +630,8 @@ class AgentDaemon:
         st["links"] = self.links
         sv = self.services
         st["services"] = None if sv is None else {**sv.status(), "weights": sv.weights, "draft": sv.draft}
+        if self.no_services:
+            st["no_services"] = self.no_services
         st["model"] = self.effective_model().to_json()
         st["cluster_settings"] = self.cluster_settings.status()
         st["assignments_refused"] = self.fence.refused  # not from the coordinator of their term

@@ -185,7 +185,7 @@ class Beat(Message):
     # each device it offers (older agents leave them out: score and mem_free above stand for the node)
     offers: tuple[DeviceOffer, ...] = ()
     # the version of the revocation list the sender holds (-1: none, or a plaintext node): members
-    # that hold an older one fetch the sender's (see agent.security.revocation_gossip)
+    # that hold an older one fetch the sender's (see agent.cluster.revocation_gossip)
     revocation: int = -1
     # the stage it serves now (None: none), and the exports it holds whole (newest first): a new
     # coordinator keeps running stages where they are and moves a lost one to a node that holds it

@@ -16,7 +16,7 @@ What other parts use: :mod:`agent.security.transport` (how node links travel: mu
 only with ``--insecure``, plaintext; a node without credentials waits for a cluster instead),
 :class:`agent.security.credentials.Credentials` (TLS contexts, peer identity, signatures),
 :mod:`agent.security.datagrams` (election datagrams signed with the node key and checked against
-the CA, or plaintext), :mod:`agent.security.fencing` (an elected agent takes assignments only from
+the CA, or plaintext), :mod:`agent.cluster.fencing` (an elected agent takes assignments only from
 the coordinator its election admitted for their term) and the operations in
 :mod:`agent.security.cluster` (what the CLI calls, and the local API's cluster routes in
 :mod:`agent.security.local_routes`, which the tray calls).

@@ -19,7 +19,7 @@ credentials (:func:`for_credentials`):
   A beat is then about 500 bytes, and about 1 KB with the certificate (1.2 KB at most: a beat that
   offers 8 devices): one datagram, under a 1400-byte MTU. A beat also says which revocation
   list version its sender holds (:meth:`Datagrams.revocation_version`, a few bytes): members
-  that hold an older one fetch the newer list (:mod:`agent.security.revocation_gossip`).
+  that hold an older one fetch the newer list (:mod:`agent.cluster.revocation_gossip`).
 
 What :class:`Signed` refuses (each counted by code, the first of each code every ``LOG_EVERY_S``
 logged as a WARNING): ``unsigned`` (a plain frame), ``other_cluster`` (the envelope names another

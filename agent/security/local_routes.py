@@ -22,23 +22,20 @@ answer's ``agent_error`` says why it could not).
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from agent.api.gateway import api_error
+from agent.common.http import api_error, local_only
 from agent.security import cluster, tokens
 from agent.security.credentials import NotMember
 from agent.security.errors import SecurityError
 
 JOIN_TIMEOUT_S = 10.0
-LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
 @dataclass
@@ -52,25 +49,6 @@ class Identity:
 
 
 IDENTITY: web.AppKey[Identity] = web.AppKey("identity")
-
-
-Handler = Callable[[web.Request], Awaitable[web.Response]]
-
-
-def local_only(handler: Handler) -> Handler:
-    """Refuse what a browser could send: another Host (DNS rebinding), or any Origin."""
-
-    @functools.wraps(handler)
-    async def guarded(request: web.Request) -> web.Response:
-        try:
-            host = urlsplit("//" + (request.host or "")).hostname
-        except ValueError:
-            host = None
-        if host not in LOCAL_HOSTS or "Origin" in request.headers:
-            return api_error(403, "only local programs may use the cluster routes, not web pages", "forbidden")
-        return await handler(request)
-
-    return guarded
 
 
 def add_cluster_api(app: web.Application, ident: Identity) -> None:

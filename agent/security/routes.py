@@ -19,7 +19,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from agent.api.gateway import api_error
+from agent.common.http import api_error
 from agent.security.ca_store import Refused
 from agent.security.credentials import Credentials, NotMember
 from agent.security.errors import SecurityError

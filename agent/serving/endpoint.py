@@ -47,7 +47,7 @@ HOST = web.AppKey("host", StageHost)
 # Frames from outside the current term must not touch any stream (fencing).
 FENCED = frozenset({"stale_term", "unknown_term", "not_assigned", "not_coordinator", "not_owner"})
 # who may assign: (the assignment's term, the peer's node id from its certificate) -> None or
-# ProtocolError (agent.security.fencing; elected agents with credentials)
+# ProtocolError (agent.cluster.fencing; elected agents with credentials)
 Fence = Callable[[int, str | None], Awaitable[None]]
 FENCE: web.AppKey[Fence | None] = web.AppKey("fence")
 

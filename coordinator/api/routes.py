@@ -21,14 +21,14 @@ from typing import Any
 from aiohttp import web
 
 from agent.api.events import EventHub, async_serve_events
-from agent.api.gateway import json_errors
 from agent.api.resume import RESUME_HEADER
+from agent.common.http import json_errors
 from agent.protocol import SamplingSpec
 from agent.protocol.events import StreamFinished, StreamStarted
 from agent.runtime.tokenizer import ChatTokenizer
 from coordinator.api.limits import Limiter, Refusal, client_key
+from coordinator.batching.scheduler import GenRequest, Scheduler
 from coordinator.ring.pipeline import PipelineError
-from coordinator.ring.scheduler import GenRequest, Scheduler
 from coordinator.speculative.decoding import SpecCounters
 
 log = logging.getLogger(__name__)

@@ -23,9 +23,9 @@ from typing import Any
 from agent.common import aio
 from agent.export.exporter import ExportOptions
 from agent.models.store import LocalModel, ModelStore
+from coordinator.batching.scheduler import GenRequest
 from coordinator.bench.pipeline import BenchError
 from coordinator.lab.local_cluster import LocalCluster
-from coordinator.ring.scheduler import GenRequest
 from coordinator.service.coordinator import Coordinator, ServeConfig
 
 QUESTION = "Tell me a long story about a lighthouse keeper and a storm."
@@ -75,10 +75,7 @@ def compare(ref: list[int], out: list[int], at: int) -> tuple[int, int, bool]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    if getattr(args, "kill", "stage") == "coordinator":
-        from coordinator.bench.takeover import run as run_takeover
-
-        return run_takeover(args)
+    """``--kill stage`` (``--kill coordinator`` is :mod:`coordinator.bench.takeover`'s)."""
     if args.nodes < 2:
         raise BenchError("--nodes must be at least 2 (a failover needs a survivor)")
     model: LocalModel = ModelStore().resolve(args.model, quiet=bool(args.json))

@@ -34,8 +34,8 @@ from agent.export.exporter import ExportOptions, export_model
 from agent.models.registry import REGISTRY
 from agent.models.store import LocalModel, ModelStore
 from agent.runtime.device import DeviceError, choose_device, device_names
+from coordinator.batching.scheduler import GenRequest
 from coordinator.lab.local_cluster import LocalCluster
-from coordinator.ring.scheduler import GenRequest
 from coordinator.service.coordinator import Coordinator, ServeConfig, plan_ranges
 
 CONFIGS = Path(__file__).parent / "configs"

@@ -2,7 +2,7 @@
 
 A user who pastes a file into the chat waits for the whole prompt to pass every stage before
 the first token. The coordinator sends a prompt's pieces into the ring at once
-(:func:`coordinator.ring.scheduler.prefill_chunks`), so while stage 0 runs the second piece, stage 1
+(:func:`coordinator.batching.scheduler.prefill_chunks`), so while stage 0 runs the second piece, stage 1
 runs the first. This bench measures that against the same pipeline taking the prompt as one
 frame (which waits for each stage in turn), and against the whole model on one node's cores,
 each run side by side: pieces, one frame, then the monolithic run, repeated ``--runs`` times.
@@ -20,9 +20,9 @@ import statistics
 from typing import Any
 
 from agent.common import aio
+from coordinator.batching.scheduler import PREFILL_PIECES_PER_STAGE, GenRequest, prefill_chunks
 from coordinator.bench.pipeline import IDLE_S, BenchError, Mono, _ints, _say, prepare, synthetic_ids
 from coordinator.lab.local_cluster import LocalCluster
-from coordinator.ring.scheduler import PREFILL_PIECES_PER_STAGE, GenRequest, prefill_chunks
 from coordinator.service.coordinator import Coordinator, ServeConfig
 
 

@@ -30,10 +30,10 @@ from agent.models.registry import REGISTRY
 from agent.models.store import LocalModel, ModelStore
 from agent.runtime.device import device_names
 from agent.runtime.device_profile import compile_properties
+from coordinator.batching.scheduler import GenRequest
 from coordinator.bench.pipeline import BenchError, bench_devices
 from coordinator.bench.spec_prompts import PROMPTS
 from coordinator.lab.local_cluster import LocalCluster
-from coordinator.ring.scheduler import GenRequest
 from coordinator.service.coordinator import Coordinator, ServeConfig
 
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from agent.protocol import Error, Ping, Pong, ProtocolError, decode, encode
+from coordinator.batching.scheduler import GenRequest
 from coordinator.lab.fuzz_frames import VICTIM_MARK
-from coordinator.ring.scheduler import GenRequest
 from coordinator.service.coordinator import Coordinator
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
+from agent.cluster.offers import NodeOffer
+
 
 class PlanError(ValueError):
     pass
@@ -103,21 +105,6 @@ def split_from_cuts(n_layers: int, cuts: Sequence[int]) -> list[tuple[int, int]]
 GIB = 1024**3
 HOME_SLACK = 0.02  # the coordinator's node goes first where that costs the bottleneck at most this
 BYTES_PER_WEIGHT = {"fp32": 4.0, "fp16": 2.0, "int8": 1.06, "int4": 0.56}  # scales and zero points included
-
-
-@dataclass(frozen=True)
-class NodeOffer:
-    """What one device of a node offers the planner: free memory, measured speed and throttle state.
-
-    A node offers one per device (its CPU, its GPU); an agent that does not say per device
-    (an older one) offers one for the whole node, with ``device`` empty.
-    """
-
-    node: str
-    mem_free: int
-    speed: float  # GFLOP/s from the capacity probe
-    state: str = "available"  # limited: counted at half speed; paused: not used
-    device: str = ""  # the OpenVINO device (CPU, GPU, GPU.1); "": the agent's own choice
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from agent.api.events import EventHub
 from agent.common import aio
+from agent.common.limits import TOTAL_INFLIGHT
 from agent.export.exporter import ExportOptions, ExportResult, cached_export, export_model
 from agent.export.held import export_content_id
 from agent.models.store import LocalModel
@@ -32,12 +33,12 @@ from agent.runtime.tokenizer import ChatTokenizer
 from agent.security import transport
 from agent.serving.link import HEARTBEAT_S
 from agent.serving.stage_host import OPTIONAL_FILES, STAGE_FILES
-from coordinator.api.limits import TOTAL_INFLIGHT, Limiter, Limits
+from coordinator.api.limits import Limiter, Limits
 from coordinator.api.routes import ApiState, make_api_app
+from coordinator.batching.scheduler import Scheduler
 from coordinator.planning.calibration import CalibrationStore, fit_head_layers, propose, stage_time
 from coordinator.planning.planner import PlanError, balanced_split, model_costs, split_from_cuts
 from coordinator.ring.pipeline import Pipeline, PipelineError, StagePlacement
-from coordinator.ring.scheduler import Scheduler
 from coordinator.service.preparing import Preparer
 from coordinator.speculative.decoding import SpecConfig
 from coordinator.speculative.drafting import load_drafter

@@ -18,7 +18,6 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,16 +25,18 @@ import aiohttp
 
 from agent.api.events import EventHub
 from agent.cluster.election import data_term
+from agent.cluster.offers import Member
+from agent.common.limits import TOTAL_INFLIGHT
 from agent.export.exporter import ExportOptions
 from agent.export.held import FetchError, HeldExports, async_fetch
 from agent.models.registry import REGISTRY
 from agent.models.store import LocalModel, ModelStore
-from agent.protocol import StageReport
+from agent.node.roles import ServicesSpec
 from agent.protocol.events import ClusterView, NodeInfo, Takeover
 from agent.security import transport
 from agent.security.errors import SecurityError
-from coordinator.api.limits import TOTAL_INFLIGHT, Limits
-from coordinator.planning.planner import NodeOffer, Plan, PlanError, StagePlan, footprint, plan_pipeline, prefer_held
+from coordinator.api.limits import Limits
+from coordinator.planning.planner import Plan, PlanError, StagePlan, footprint, plan_pipeline, prefer_held
 from coordinator.service.coordinator import Coordinator, ServeConfig
 from coordinator.service.preparing import Preparer
 from coordinator.service.takeover import Adoption, Held, Running, adopt
@@ -45,15 +46,6 @@ SETTLE_S = 2.0  # after winning, let late peers' beats arrive before planning
 ADOPT_SETTLE_S = 0.3  # taking over a running plan: the beats heard during the election are fresh
 PROBE_WAIT_S = 20.0  # and give freshly started peers time to measure their speed
 WATCH_S = 2.0  # how often membership is compared with the plan
-
-
-@dataclass(frozen=True)
-class Member:
-    offer: NodeOffer
-    address: str  # host:port of its stage server
-    measured: bool = True  # its speed comes from its capacity probe (not a placeholder)
-    serving: StageReport | None = None  # the stage it runs now (its beats say)
-    holds: tuple[str, ...] = ()  # the exports it holds whole
 
 
 class CoordinatorRole:
@@ -69,7 +61,7 @@ class CoordinatorRole:
         ring_port: int = 0,  # the ring's return and stage files (0: any free port)
         term: int,
         my_address: str,
-        members: Any,  # () -> list[Member]: the nodes heard right now, this one included
+        members: Callable[[], list[Member]],  # the nodes heard right now, this one included
         nodes: Callable[[], list[NodeInfo]] = lambda: [],  # the same, as node maps show them
         cluster: str = "default",
         api_limits: Limits | None = None,  # per client (None: only the cap on requests in flight)
@@ -496,3 +488,26 @@ def _preparing(prep: Preparer) -> str | None:
     """The preparation under way, in words (None: none, or it is over)."""
     p = prep.current
     return p.describe() if p is not None and p.step not in ("ready", "failed") else None
+
+
+def make_services(spec: ServicesSpec) -> CoordinatorRole:
+    """The ``lakeshard.coordinator`` entry point: the services a daemon runs while it coordinates
+    (:mod:`agent.node.roles`)."""
+    return CoordinatorRole(
+        model=spec.model,
+        weights=spec.weights,
+        draft=spec.draft,
+        name=spec.name,
+        api_port=spec.api_port,
+        ring_port=spec.ring_port,
+        streams=spec.streams,
+        min_nodes=spec.min_nodes,
+        api_limits=Limits(spec.api_rate, spec.api_concurrency, TOTAL_INFLIGHT),
+        exact=spec.exact,
+        term=spec.term,
+        my_address=spec.my_address,
+        members=spec.members,
+        nodes=spec.nodes,
+        cluster=spec.cluster,
+        needed_before=spec.needed_before,
+    )
