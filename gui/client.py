@@ -23,8 +23,9 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp.http_exceptions import HttpProcessingError
 
+from agent.protocol.cluster_view import MAX_EVENT_BYTES
 from agent.protocol.codec import ProtocolError
-from agent.protocol.events import MAX_EVENT_BYTES, Event, parse_event
+from agent.protocol.events import Event, parse_event
 
 TIMEOUT = aiohttp.ClientTimeout(total=10, sock_connect=3)
 # joining waits for the cluster member the token names (the agent gives it 10 s, TLS then plain)

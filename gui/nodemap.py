@@ -29,18 +29,15 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from agent.protocol.cluster_view import ClusterView, NodeInfo, NodeStep, Preparation
 from agent.protocol.events import (
-    ClusterView,
     CoordinatorLost,
     Event,
     Failover,
     NodeChanged,
-    NodeInfo,
     NodeJoined,
     NodeLeft,
-    NodeStep,
     PlanChanged,
-    Preparation,
     Snapshot,
     StreamFinished,
     Takeover,

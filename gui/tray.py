@@ -22,7 +22,8 @@ from PySide6.QtCore import QObject, QTimer, QUrl, Signal
 from PySide6.QtGui import QAction, QDesktopServices
 from PySide6.QtWidgets import QMenu, QMessageBox, QSystemTrayIcon
 
-from agent.protocol.events import ClusterView, Event, Snapshot, apply_event
+from agent.protocol.cluster_view import ClusterView
+from agent.protocol.events import Event, Snapshot, apply_event
 from gui.agent_process import AgentProcess, log_folder
 from gui.client import ApiError, Client, Unreachable
 from gui.icons import app_icon, state_icon

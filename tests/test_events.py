@@ -9,13 +9,12 @@ from dataclasses import replace
 import pytest
 
 from agent.api.events import QUEUE, EventHub, diff
+from agent.protocol.cluster_view import ClusterView, NodeInfo
 from agent.protocol.codec import ProtocolError
 from agent.protocol.events import (
-    ClusterView,
     CoordinatorLost,
     Failover,
     NodeChanged,
-    NodeInfo,
     NodeJoined,
     NodeLeft,
     PlanChanged,

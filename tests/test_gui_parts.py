@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.protocol.events import ClusterView, CoordinatorLost, Failover, NodeInfo, Snapshot
+from agent.protocol.cluster_view import ClusterView, NodeInfo
+from agent.protocol.events import CoordinatorLost, Failover, Snapshot
 from gui import autostart
 from gui.chat.markdown import render
 from gui.chat.store import Store

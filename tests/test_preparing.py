@@ -21,18 +21,9 @@ from agent.api.events import EventHub, diff
 from agent.cli.agent import PrepLines, event_line
 from agent.models.registry import ModelSpec
 from agent.models.store import ModelStore
+from agent.protocol.cluster_view import ClusterView, NodeInfo, NodeStep, Preparation
 from agent.protocol.codec import ProtocolError
-from agent.protocol.events import (
-    ClusterView,
-    CoordinatorLost,
-    NodeInfo,
-    NodeStep,
-    Preparation,
-    Preparing,
-    Snapshot,
-    apply_event,
-    parse_event,
-)
+from agent.protocol.events import CoordinatorLost, Preparing, Snapshot, apply_event, parse_event
 from coordinator.service.preparing import Preparer, node_key, node_step, sent_percent, stage_files
 from tests.figures import report
 

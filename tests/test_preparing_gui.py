@@ -16,15 +16,8 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from agent.protocol.events import (
-    ClusterView,
-    Event,
-    NodeInfo,
-    NodeStep,
-    Preparation,
-    Preparing,
-    Snapshot,
-)
+from agent.protocol.cluster_view import ClusterView, NodeInfo, NodeStep, Preparation
+from agent.protocol.events import Event, Preparing, Snapshot
 from gui.chat import preparing
 from gui.chat.store import Store
 from gui.chat.window import ChatWindow

@@ -20,11 +20,10 @@ from dataclasses import replace
 
 from aiohttp import WSMsgType, web
 
+from agent.protocol.cluster_view import ClusterView, NodeInfo
 from agent.protocol.events import (
-    ClusterView,
     Event,
     NodeChanged,
-    NodeInfo,
     NodeJoined,
     NodeLeft,
     PlanChanged,

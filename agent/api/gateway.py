@@ -35,7 +35,8 @@ from aiohttp import web
 from agent.api.events import HEARTBEAT_S, EventHub, HubClosed, async_serve_events
 from agent.api.resume import RESUME_HEADER, async_stream_with_resume, async_whole_with_retry
 from agent.common.http import api_error
-from agent.protocol.events import MAX_EVENT_BYTES, CoordinatorLost
+from agent.protocol.cluster_view import MAX_EVENT_BYTES
+from agent.protocol.events import CoordinatorLost
 from agent.security import transport
 from agent.security.errors import SecurityError
 

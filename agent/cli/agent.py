@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from agent.cli.args import Commands, port, positive_int
 
 if TYPE_CHECKING:
-    from agent.protocol.events import Preparation
+    from agent.protocol.cluster_view import Preparation
 
 
 class AgentCliError(Exception):
@@ -248,8 +248,9 @@ def watch(port: int, as_json: bool = False) -> int:
 
     import aiohttp
 
+    from agent.protocol.cluster_view import MAX_EVENT_BYTES
     from agent.protocol.codec import ProtocolError
-    from agent.protocol.events import MAX_EVENT_BYTES, Preparing, Snapshot, apply_event, parse_event
+    from agent.protocol.events import Preparing, Snapshot, apply_event, parse_event
 
     steps = PrepLines()
 

@@ -58,7 +58,7 @@ from agent.export import held as held_exports
 from agent.node.replication import ExportCopies, HeardPeer
 from agent.node.roles import NoCoordinator, Services, ServicesSpec, load_factory
 from agent.node.shutdown import bounded
-from agent.protocol.events import NodeInfo
+from agent.protocol.cluster_view import NodeInfo
 from agent.security import transport
 from agent.security.datagrams import for_credentials
 from agent.security.routes import add_cluster_routes, membership

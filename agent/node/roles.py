@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from agent.api.events import EventHub
 from agent.cluster.offers import Member
-from agent.protocol.events import NodeInfo
+from agent.protocol.cluster_view import NodeInfo
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,8 @@ from agent.export.held import export_content_id
 from agent.models.store import LocalModel
 from agent.node.shutdown import describe, exit_now
 from agent.protocol import MAX_FRAME
-from agent.protocol.events import ClusterView, Failover, NodeInfo
+from agent.protocol.cluster_view import ClusterView, NodeInfo
+from agent.protocol.events import Failover
 from agent.runtime.tokenizer import ChatTokenizer
 from agent.security import transport
 from agent.serving.link import HEARTBEAT_S

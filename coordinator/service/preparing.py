@@ -2,7 +2,7 @@
 
 The first answer of a fresh cluster can wait minutes (pulling the model, exporting its stages,
 each node downloading and compiling its own). A :class:`Preparer` holds the step now (an
-:class:`~agent.protocol.events.Preparation`): the coordinator's cluster view carries it, so a
+:class:`~agent.protocol.cluster_view.Preparation`): the coordinator's cluster view carries it, so a
 late subscriber's snapshot has it, and each new step (a step, a stage, a node's step) is
 published on the event stream as it happens; its percent reaches readers through the view's
 diff (every 0.25 s at most). Steps are set on the event loop; a pull or an export in a worker
@@ -27,8 +27,9 @@ import aiohttp
 
 from agent.export.exporter import ExportProgress
 from agent.models.store import PullProgress
+from agent.protocol.cluster_view import NodeStep, Preparation
 from agent.protocol.control import ID_RE
-from agent.protocol.events import Event, NodeStep, Preparation, Preparing
+from agent.protocol.events import Event, Preparing
 from agent.security import transport
 from agent.security.errors import SecurityError
 from agent.serving.stage_host import OPTIONAL_FILES, STAGE_FILES

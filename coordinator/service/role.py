@@ -32,7 +32,8 @@ from agent.export.held import FetchError, HeldExports, async_fetch
 from agent.models.registry import REGISTRY
 from agent.models.store import LocalModel, ModelStore
 from agent.node.roles import ServicesSpec
-from agent.protocol.events import ClusterView, NodeInfo, Takeover
+from agent.protocol.cluster_view import ClusterView, NodeInfo
+from agent.protocol.events import Takeover
 from agent.security import transport
 from agent.security.errors import SecurityError
 from coordinator.api.limits import Limits

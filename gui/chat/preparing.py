@@ -2,7 +2,7 @@
 
 The coordinator's API answers only once the model is ready; until then the local agent says
 ``not_serving`` with the step it is at, and the cluster's event stream carries each step as it
-happens (:class:`agent.protocol.events.Preparation`). :func:`banner` words it for the user
+happens (:class:`agent.protocol.cluster_view.Preparation`). :func:`banner` words it for the user
 (pure); :func:`async_follow` keeps the window's picture of it current.
 """
 
@@ -12,7 +12,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from agent.protocol.events import ClusterView, Preparation, apply_event
+from agent.protocol.cluster_view import ClusterView, Preparation
+from agent.protocol.events import apply_event
 from gui.client import Client
 
 log = logging.getLogger(__name__)

@@ -37,7 +37,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from agent.protocol.events import ClusterView, Preparation
+from agent.protocol.cluster_view import ClusterView, Preparation
 from gui.chat import preparing
 from gui.chat.store import Store
 from gui.chat.transcript import failed, transcript_html
