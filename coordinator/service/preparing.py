@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from agent.export.exporter import ExportProgress
-from agent.models.store import PullProgress
+from agent.models.download import PullProgress
 from agent.protocol.cluster_view import NodeStep, Preparation
 from agent.protocol.control import ID_RE
 from agent.protocol.events import Event, Preparing
