@@ -88,8 +88,13 @@ def _serving(port: int) -> bool:
 
 @pytest.fixture(scope="module")
 def served2(smollm2) -> Iterator[LocalCluster]:  # type: ignore[no-untyped-def]
-    """Two elected agents that serve SmolLM2 (f32 activations: exactly comparable answers)."""
-    c = LocalCluster(2, elect=["--serve-model", "smollm2-135m", "--serve-weights", "int8", "--serve-exact"]).start()
+    """Two elected agents that serve SmolLM2 (f32 activations: exactly comparable answers), over
+    both laptops (pinned: left to itself, the planner may put so small a model on one)."""
+    c = LocalCluster(
+        2,
+        elect=["--serve-model", "smollm2-135m", "--serve-weights", "int8", "--serve-exact"],
+        config="serve:\n  min_nodes: 2\n",
+    ).start()
     try:
         end = time.monotonic() + 600
         while not all(_serving(p) for p in c.api_ports):

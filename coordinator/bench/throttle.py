@@ -110,8 +110,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
         # the node with a user serves a stage but never coordinates (its pauses would be elections)
-        configs = [CONFIG] * args.nodes
-        configs[victim] = CONFIG + "election:\n  min_coordinator_memory_gb: 4096\n"
+        # and the plan spans every node (left to itself, the planner may put a small model on fewer,
+        # and the wait for "every node in the plan" could only time out)
+        base = CONFIG + f"serve:\n  min_nodes: {args.nodes}\n"
+        configs = [base] * args.nodes
+        configs[victim] = base + "election:\n  min_coordinator_memory_gb: 4096\n"
         cluster = LocalCluster(
             args.nodes, elect=elect, throttle=True, config=configs, agent_envs=envs, log_dir=log_dir
         ).start()
