@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= Explain in two sentences why splitting a language model across several laptops helps.
 
-.PHONY: setup run test lint bench-parity clean
+.PHONY: setup run test test-fast lint bench-parity clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,10 @@ test: setup
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
+
+# the unit layer only (tests/unit: pure functions and in-process parts, seconds)
+test-fast: setup
+	$(BIN)/python -m pytest -m "not slow"
 
 lint: setup
 	$(BIN)/ruff check agent coordinator gui tests

@@ -1,6 +1,6 @@
 """lakeshard: pool idle office laptops into one LLM."""
 
-__version__ = "0.1.0"  # what agents advertise; tests/test_doctor.py checks it equals the package's
+__version__ = "0.1.0"  # what agents advertise; tests/integration/test_doctor.py checks it equals the package's
 
 
 def version() -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -26,8 +27,17 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 warnings.filterwarnings("ignore", message=".*non-writable.*")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The layers: tests/unit runs in seconds (``make test-fast``); tests/integration (real sockets,
+    processes and models on this machine) and tests/system (whole clusters, the tray on an X
+    server, network namespaces, installers) are marked slow."""
+    for item in items:
+        if "unit" not in item.path.relative_to(REPO / "tests").parts[:1]:
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    from tests.figures import LINES
+    from tests.support.figures import LINES
 
     if LINES:
         terminalreporter.section("lakeshard figures")
@@ -223,3 +233,14 @@ def exact_config(model: Any, nodes: list[str], term: int, **kw: Any) -> Any:
         term=term,
         **kw,
     )
+
+
+@pytest.fixture(scope="module")
+def qloop(qapp):  # type: ignore[no-untyped-def]
+    import qasync
+
+    loop = qasync.QEventLoop(qapp)
+    asyncio.set_event_loop(loop)
+    yield loop
+    loop.close()
+    asyncio.set_event_loop(None)
