@@ -33,7 +33,7 @@ from aiohttp import web
 from agent.api.cluster_model import ModelDoor, add_model_routes, check_override
 from agent.api.gateway import Door, Target, add_local_routes, describe
 from agent.common.config import ConfigError, Settings, config_file, load, parse
-from agent.common.http import json_errors
+from agent.common.http import api_error, json_errors
 from agent.common.logs import set_file_level
 from agent.common.paths import write_text_atomic
 from agent.models.pulls import add_pull_routes
@@ -80,7 +80,7 @@ async def serve_local(runners: list[web.AppRunner], app: web.Application, port: 
 
 
 def _bad(message: str) -> web.Response:
-    return web.json_response({"error": message}, status=400)
+    return api_error(400, message, "bad_request", "invalid_request_error")
 
 
 def make_local_app(daemon: Agent) -> web.Application:
@@ -131,7 +131,7 @@ async def _set_state(request: web.Request) -> web.Response:
     try:
         d.set_state(state, for_s)
     except NotJoined as e:
-        return web.json_response({"error": str(e)}, status=409)
+        return api_error(409, str(e), "not_in_cluster", "invalid_request_error")
     return web.json_response(d.node_status())
 
 

@@ -43,7 +43,7 @@ async def test_status_api_pause_switch_and_fencing(isolated_home: Path) -> None:
         # bad requests get a clear 400 and change nothing
         for body in (b"not json", b'{"state": "asleep"}', b"[1, 2]"):
             async with http.post(f"{api}/v1/node/state", data=body) as r:
-                assert r.status == 400 and "state" in (await r.json())["error"]
+                assert r.status == 400 and "state" in (await r.json())["error"]["message"]
         async with http.post(f"{api}/v1/node/state", json={"state": "paused"}) as r:
             assert r.status == 200 and (await r.json())["state"] == "paused"
         for _ in range(100):

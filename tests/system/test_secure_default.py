@@ -85,7 +85,7 @@ def test_without_credentials_an_agent_waits_for_a_cluster(agents: tuple[Agent, A
         assert {(x.ip, x.port) for x in listening} == {("127.0.0.1", ag.api)}, conns
         # what needs a cluster says so in one line
         status, body = ag.post("/v1/node/state", {"state": "paused"})
-        assert status == 409 and body["error"] == NO_CLUSTER_HINT
+        assert status == 409 and body["error"]["message"] == NO_CLUSTER_HINT
         status, body = ag.post("/v1/cluster/invite", {})
         assert status == 409 and body["error"]["code"] == "not_in_cluster", body
         assert ag.get("/v1/cluster/identity")["member"] is False

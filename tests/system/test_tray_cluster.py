@@ -410,7 +410,7 @@ def test_settings_are_checked_by_the_agent_written_and_applied(
         for bad in (-1, 0, "soon", 10**9, float("nan")):
             req = {"state": "paused", "for_s": bad}
             status, body = _post_status(f"{api}/v1/node/state", req)
-            assert status == 400 and "for_s" in body["error"], bad
+            assert status == 400 and "for_s" in body["error"]["message"], bad
         node = _post(f"{api}/v1/node/state", {"state": "paused", "for_s": 1.5})
         assert node["state"] == "paused" and node["reason"] == "user"
         time.sleep(3.0)
