@@ -274,6 +274,8 @@ async def _fuzz(
                 _say(f"fuzz: {i + 1} frames, {hostile.tally.hangs} hangs, {time.monotonic() - t0:.0f}s")
         until.set()
         runs, differ = await runner
+    for d in differ:
+        _say(f"fuzz: a healthy stream differed: {d}")
     t = hostile.tally
     _say(f"fuzz: {t.sent} frames, {t.errors} errors, {t.closes} closes, {t.hangs} hangs; codes {t.codes}")
     return {
@@ -282,7 +284,7 @@ async def _fuzz(
         "fuzz_errors": t.errors,
         "fuzz_not_owner": t.codes.get("not_owner", 0),
         "healthy_runs": runs,
-        "healthy_stream_identical": differ == 0 and runs > 0 and await generate(coord, prompt, 32) == reference,
+        "healthy_stream_identical": not differ and runs > 0 and await generate(coord, prompt, 32) == reference,
     }
 
 

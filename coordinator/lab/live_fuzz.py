@@ -150,15 +150,24 @@ async def generate(coord: Coordinator, prompt: list[int], tokens: int) -> list[i
 
 async def healthy(
     coord: Coordinator, prompt: list[int], tokens: int, reference: list[int], until: asyncio.Event
-) -> tuple[int, int]:
+) -> tuple[int, list[str]]:
     """Greedy requests one after another until ``until`` is set (at least one): how many ran, and
-    how many differed from ``reference`` (a request that failed counts as differing)."""
-    differ, runs = 0, 0
+    how each run that differed from ``reference`` differed (an exception, or the first token that
+    differs), so that a failure says whether the fuzzing reached the stream or the machine's load
+    made a request fail."""
+    differ: list[str] = []
+    runs = 0
     while runs == 0 or not until.is_set():
         try:
             got = await generate(coord, prompt, tokens)
-        except Exception:
-            got = []
-        differ += got != reference
+        except Exception as e:
+            differ.append(f"run {runs}: failed: {type(e).__name__}: {e}")
+        else:
+            if got != reference:
+                at = next(
+                    (i for i, (a, b) in enumerate(zip(got, reference, strict=False)) if a != b),
+                    min(len(got), len(reference)),
+                )
+                differ.append(f"run {runs}: {len(got)} tokens, the first difference at token {at}")
         runs += 1
     return runs, differ

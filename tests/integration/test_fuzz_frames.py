@@ -201,7 +201,7 @@ def test_live_stages_survive_fuzzing_and_a_healthy_stream_is_untouched(ring: Rin
     assert t.sent >= 3000 and t.hangs == 0
     assert t.codes.get("not_owner", 0) > 0  # frames aimed at the healthy stream were refused
     assert all(p.poll() is None for p in ring.cluster.procs)
-    assert runs >= 1 and differ == 0
+    assert runs >= 1 and not differ, differ  # each: an exception, or where its tokens differed
     assert ring.call(generate(ring.coord, prompt, 32)) == reference  # and afterwards
 
 
