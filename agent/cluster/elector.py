@@ -27,6 +27,7 @@ from agent.cluster.election import (
     Timing,
     admit,
     can_stand,
+    deposed,
     election_delay,
     pin_rank,
     stand,
@@ -117,6 +118,9 @@ class Elector:
         self.leader_last = now  # last beat of the coordinator we follow (start: give discovery a chance)
         self.leader_since: float | None = None  # wall clock when the current coordinator was admitted
         self.stood_at = float("-inf")
+        self.granted_at = float("-inf")  # when this node last granted its vote (its election clock restarts)
+        self.ticked = now  # the clock's last tick: a longer gap than the peer timeout is a stall of the loop
+        self.back_until = float("-inf")  # after such a stall: newer terms are successors, not challengers
         self.votes: set[str] = set()
         self.view = 1
         self.followers: dict[str, float] = {}
@@ -182,12 +186,28 @@ class Elector:
         return ld
 
     # -- the clock ------------------------------------------------------------------------------
+    def _woke(self, now: float) -> None:
+        """Notice a stall of the event loop longer than the peer timeout (a busy laptop): the peers
+        have counted this node gone meanwhile, and what arrives now may be an election it missed."""
+        if now - self.ticked > self.timing.peer_timeout_s:
+            if self.role is Role.COORDINATOR:
+                log.info("back after %.1f s without a tick: newer terms are taken as successors", now - self.ticked)
+            self.back_until = now + self.timing.peer_timeout_s
+            self.ticked = now
+
+    @property
+    def stalled(self) -> bool:
+        """Whether this node has just come back from a stall (see :meth:`_woke`)."""
+        return time.monotonic() < self.back_until
+
     def _tick(self, now: float) -> None:
+        self._woke(now)
+        self.ticked = now
         sit = Situation(
             role=self.role,
             me=self.standing(),
             leader=self.leader(now) if self.role is Role.FOLLOWER else None,
-            since_leader_s=now - self.leader_last,
+            since_leader_s=now - max(self.leader_last, self.granted_at),
             election_delay_s=self.delay,
             votes=len(self.votes),
             view=self.view,
@@ -246,6 +266,13 @@ class Elector:
         self.role = Role.FOLLOWER
         self.votes.clear()
         self.delay = self._new_delay()
+
+    def _step_aside(self, term: int, why: str) -> None:
+        """A coordinator replaced in ``term`` (see :func:`deposed`) follows, and gives the newer
+        coordinator a whole election delay to reach it before it would stand itself."""
+        log.info("stepping aside for term %d: %s", term, why)
+        self._follow()
+        self.leader_last = time.monotonic()
 
     # -- sending --------------------------------------------------------------------------------
     def _send(self, msg: Message, addr: tuple[str, int]) -> None:
@@ -329,6 +356,7 @@ class Elector:
         node: str = msg.node  # type: ignore[attr-defined]
         if node == self.me.node:
             return  # our own datagram (a static peer list that names this node)
+        self._woke(time.monotonic())
         port = msg.port if isinstance(msg, Beat | VoteRequest) else src[1]
         p = self.peers.get(node)
         if p is None:
@@ -338,7 +366,9 @@ class Elector:
         if p.first_heard is None:
             p.first_heard = time.time()
         if isinstance(msg, Beat):
-            p.beat = msg
+            first, p.beat = p.beat is None, msg
+            if first and self.role is Role.FOLLOWER:  # a peer's first beat: this node's rank, so its delay, anew
+                self.delay = self._new_delay()
             if msg.role == "coordinator":
                 p.last_led = p.last_heard
             if self.on_beat_heard is not None:
@@ -368,11 +398,15 @@ class Elector:
             if self.store.state.leader == b.node and self.leader_last > time.monotonic() - self.timing.peer_timeout_s:
                 # our coordinator stepped down: the election clock runs as if it had timed out now
                 self.leader_last = time.monotonic() - self.timing.peer_timeout_s
-            if self.role is Role.COORDINATOR and b.term > ts.term and self.standing().eligible:
-                self._stand(b.term)  # someone stood while we still lead: fence above their term
+            if self.role is Role.COORDINATOR and b.term > ts.term:
+                if deposed(b.term, ts.term, b.leader, self.me.node, self.stalled):
+                    self._step_aside(b.term, f"{b.node} follows {b.leader or 'a newer election'}")
+                elif self.standing().eligible:
+                    self._stand(b.term)  # someone stood while we still lead: fence above their term
             return
         if self.role is Role.COORDINATOR and b.term >= ts.term:  # two coordinators met (a healed partition)
-            if not yields_to(self.standing(), p.standing(), self.settings):
+            newer = deposed(b.term, ts.term, b.node, self.me.node, self.stalled)
+            if not newer and not yields_to(self.standing(), p.standing(), self.settings):
                 self.refused += 1
                 self._ack(src, False, "term_conflict", f"{self.me.node} coordinates term {ts.term}")
                 self._stand(b.term)  # stay, in a term above both
@@ -398,12 +432,13 @@ class Elector:
         if self.role is Role.COORDINATOR and r.term > ts.term:
             was_coordinator = time.monotonic() - p.last_led < self.timing.peer_timeout_s
             outranks = pin_rank(r.node, self.settings) > pin_rank(self.me.node, self.settings)
-            if outranks or (was_coordinator and yields_to(self.standing(), cand, self.settings)):
+            if outranks or self.stalled or (was_coordinator and yields_to(self.standing(), cand, self.settings)):
                 log.info("handing over to %s (term %d)", r.node, r.term)
                 self._follow()
                 live = None
         ts2, refusal = vote(ts, r.term, cand, live, self.settings)
         if refusal is None:
+            self.granted_at = time.monotonic()
             self._save(ts2)
             if self.role is not Role.FOLLOWER and r.term > ts.term:
                 self._follow()
@@ -447,6 +482,9 @@ class Elector:
             return
         if a.term < ts.term:
             return  # an answer to an older beat
+        if deposed(a.term, ts.term, a.leader, self.me.node, self.stalled):
+            self._step_aside(a.term, f"{a.node} follows {a.leader or 'a newer election'}")
+            return
         other = self.peers.get(a.leader) if a.leader else None
         led = other is not None and time.monotonic() - other.last_led < self.timing.peer_timeout_s
         if other is not None and led and yields_to(self.standing(), other.standing(), self.settings):
