@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from agent.cluster.election import Role, Timing
-from agent.cluster.elector import Elector, LocalNode
+from agent.cluster.elector import Elector
 from agent.cluster.node_state import TermStore
+from agent.cluster.peers import LocalNode
 from agent.common.config import Settings
 from agent.protocol import Ack, Beat, DeviceOffer, Vote, VoteRequest, decode, encode
 from tests.udp import agreed, ask, until
@@ -50,7 +51,7 @@ async def trio(tmp_path: Path) -> AsyncIterator[list[Elector]]:
         await e.async_start("127.0.0.1")
     yield electors
     for e in electors:
-        await e.async_shutdown()
+        await e.async_stop()
 
 
 def _beat(cluster: str, node: str, term: int, role: str = "coordinator") -> bytes:
@@ -200,4 +201,4 @@ async def test_a_voter_does_not_stand_against_the_candidate_it_voted_for(tmp_pat
         assert isinstance(ack, Ack) and ack.accepted
         assert e.elections == 0 and e.store.state.term == 1 and e.leader() == "cand"
     finally:
-        await e.async_shutdown()
+        await e.async_stop()
