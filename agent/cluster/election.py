@@ -14,8 +14,15 @@ The messaging around them lives in :mod:`agent.cluster.elector`. How it works:
   with a flaky link cannot depose a healthy coordinator), unless the admin pinned the
   candidate above that coordinator.
 * A node that is excluded by the admin, paused, or short of memory does not stand.
-* When two coordinators meet (a healed partition), the one with the better standing stays
-  and takes a term above both; the other steps down at once.
+* When two coordinators of one term meet (a healed partition), the one with the better
+  standing stays and takes a term above both; the other steps down at once.
+* A coordinator that hears of a newer term steps aside (:func:`deposed`) when that term has a
+  coordinator of its own, or when it has just come back from a stall of its event loop (its
+  peers counted it gone and elected, or are electing, another); only a lone challenger (a
+  candidate no one follows) is fenced off by standing above its term. Without this, every
+  failover after a stall turned into a fight over two or three more terms.
+* A node that grants its vote restarts its own election clock, so that it does not stand
+  against the candidate it just voted for before that candidate could win and beat.
 """
 
 from __future__ import annotations
@@ -184,6 +191,16 @@ def step(sit: Situation, cfg: Settings, timing: Timing) -> Action:
         preempt = pin_rank(sit.me.node, cfg) > pin_rank(sit.leader, cfg)
         return Action.START_ELECTION if preempt else Action.NONE
     return Action.START_ELECTION if sit.since_leader_s >= sit.election_delay_s else Action.NONE
+
+
+def deposed(term: int, my_term: int, their_leader: str | None, me: str, stalled: bool) -> bool:
+    """A coordinator of ``my_term`` hears of ``term`` (from a beat or an answer that follows
+    ``their_leader``): was it replaced, so that it steps aside rather than stand above?
+
+    Replaced when that newer term has a coordinator other than this node (a majority elected
+    it while this node was out of reach), or when this node has just come back from a stall
+    longer than the peer timeout (``stalled``: what it hears now may be an election it missed)."""
+    return term > my_term and (stalled or their_leader not in (None, me))
 
 
 def yields_to(me: Standing, other: Standing, cfg: Settings) -> bool:

@@ -32,7 +32,7 @@ import logging
 import socket
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -44,20 +44,24 @@ from agent import __version__
 from agent.api.cluster_model import add_settings_route
 from agent.api.gateway import Target, add_member_routes
 from agent.api.local import make_local_app, serve_local
-from agent.cluster.discovery import MIB, Advert, Discovery
-from agent.cluster.election import Role, Timing, data_term
-from agent.cluster.elector import Elector, LocalNode
+from agent.cluster.discovery import Advert, Discovery
+from agent.cluster.election import Timing, data_term
+from agent.cluster.elector import Elector
 from agent.cluster.fencing import CoordinatorFence
 from agent.cluster.node_state import TermStore, node_id
-from agent.cluster.offers import Member, NodeOffer
+from agent.cluster.offers import Member
+from agent.cluster.peers import LocalNode
 from agent.cluster.revocation_gossip import RevocationGossip
 from agent.cluster.settings_gossip import Effective, SettingsGossip, effective
-from agent.common.config import Settings, ring_port_for
-from agent.common.paths import agent_state_dir, log_dir
+from agent.common.config import Settings
+from agent.common.paths import agent_state_dir
 from agent.export import held as held_exports
-from agent.node.replication import ExportCopies, HeardPeer
-from agent.node.roles import NoCoordinator, Services, ServicesSpec, load_factory
+from agent.node import offering, status, views
+from agent.node.replication import ExportCopies
+from agent.node.roles import Services
 from agent.node.shutdown import bounded
+from agent.node.supervise import Supervisor
+from agent.node.views import heard_peers
 from agent.protocol.cluster_view import NodeInfo
 from agent.security import transport
 from agent.security.datagrams import for_credentials
@@ -65,7 +69,6 @@ from agent.security.routes import add_cluster_routes, membership
 from agent.serving.endpoint import make_app
 from agent.serving.stage_host import StageHost
 from agent.throttle.controller import Contribution
-from agent.throttle.thermal import temperature_c
 
 log = logging.getLogger(__name__)
 # settings a running agent takes at once, and those it takes at its next start
@@ -117,15 +120,7 @@ class AgentDaemon:
         # node links: mutual TLS when this node has cluster credentials (chosen once, here)
         self.transport = transport.use(transport.choose(opts.insecure, why=INSECURE_WHY))
         creds = self.transport.creds
-        if creds is not None and settings.cluster_id != creds.cluster_id:
-            if settings.cluster_id != "default":
-                log.warning(
-                    "the settings' cluster_id %r is not this node's cluster: using %s (from its certificate)",
-                    settings.cluster_id,
-                    creds.cluster_id,
-                )
-            settings = replace(settings, cluster_id=creds.cluster_id)
-            self.settings = settings
+        settings = self.settings = _own_cluster(settings, creds.cluster_id if creds is not None else None)
         folder = agent_state_dir(settings.port)  # several agents on one machine: one each
         self.node = node_id(folder)
         if creds is not None and creds.node_id != self.node:
@@ -152,15 +147,14 @@ class AgentDaemon:
             mem_free=lambda: int(psutil.virtual_memory().available),
             name=settings.name or socket.gethostname()[:64] or None,
         )
-        self.copies = ExportCopies(self.held, self.me, self.host, self._heard_peers, self._needed_exports)
+        self.copies = ExportCopies(self.held, self.me, self.host, lambda: heard_peers(self), self._needed_exports)
         self.elector: Elector | None = None
         self.discovery: Discovery | None = None
         self.gossip: RevocationGossip | None = None
+        self.supervisor = Supervisor(self)  # the coordinator's services, while this node is elected
         # the model the cluster serves: a signed, versioned document every member holds (gossiped)
         self.cluster_settings = SettingsGossip(self.transport, settings.cluster_id, self.node, on_change=self._held)
         self.cluster_settings.load()
-        self._serving: tuple[str | None, str | None, str | None] | None = None  # the services' model
-        self._warmed: tuple[str | None, str | None, str | None] | None = None  # its config read once
         self.capacity: dict[str, Any] | None = None
         self.api_port = settings.api_port
         self.serves_local_api = True
@@ -169,18 +163,37 @@ class AgentDaemon:
         self._advertised: Advert | None = None
         self._runners: list[web.AppRunner] = []
         self._tasks: list[asyncio.Task[None]] = []
-        self.services: Services | None = None  # while this node coordinates
+        self.services: Services | None = None  # while this node coordinates (see agent.node.supervise)
         self.no_services: str | None = None  # why this agent cannot coordinate (no coordinator installed)
         self.session: aiohttp.ClientSession | None = None  # forwarding to the coordinator
         # the user's switch and the throttle policy: this node's state, applied to its stage
         self.contrib = Contribution(
             self.me, self.host, lambda: self.settings.throttle, enabled=opts.throttle and settings.throttle.enabled
         )
-        self._tokens_seen = (time.monotonic(), 0)
+        self.tokens_seen = (time.monotonic(), 0)  # (when, positions): the token rate
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def async_start(self) -> None:
         self.session = transport.current().session()
+        await self._serve_public()
+        if self.serves_local_api:  # else agent.node.unjoined.LocalAgent serves it (and set api_port)
+            self.api_port = await serve_local(self._runners, make_local_app(self), self.settings.api_port)
+        if not self.opts.standalone:
+            await self._join_election()
+        self._spawn(offering.probe(self))
+        self._spawn(offering.refresh(self))
+        if self.contrib.enabled:
+            self._spawn(self.contrib.run())
+        if self.elector is not None:
+            self._spawn(self.supervisor.run())
+            self._spawn(self.copies.run())
+
+    def _spawn(self, job: Coroutine[Any, Any, None]) -> None:
+        self._tasks.append(asyncio.create_task(job))
+
+    async def _serve_public(self) -> None:
+        """The data port (TCP): the stage server, the cluster identity routes and, for members, the
+        coordinator forwarded, the exports held here and the cluster settings."""
         # elected agents with credentials take assignments only from the coordinator of their term
         fence = self.fence.async_check if self.transport.secure and not self.opts.standalone else None
         public = make_app(self.host, self.node_status, [transport.peer_middleware], fence)
@@ -197,35 +210,25 @@ class AgentDaemon:
                 f"the data port {self.opts.host}:{self.settings.port} is taken ({e.strerror or e}); another agent may "
                 "be running: give this one another --port (or 'port' in the settings)"
             ) from None
-        if self.serves_local_api:  # else agent.node.unjoined.LocalAgent serves it (and set api_port)
-            self.api_port = await serve_local(self._runners, make_local_app(self), self.settings.api_port)
-        if not self.opts.standalone:
-            signed = for_credentials(self.transport.creds)  # election datagrams: signed with credentials
-            self.elector = Elector(self.me, self.settings, self.store, self.opts.timing, signed)
-            self.elector.on_term = self._on_term
-            if self.transport.secure:  # members adopt the newest revocation list their peers' beats announce
-                self.gossip = RevocationGossip(self.transport)
-                self._tasks.append(asyncio.create_task(self.gossip.run()))
-            self.elector.on_beat_heard = self._on_beat  # and the newest cluster settings
-            self._tasks.append(asyncio.create_task(self.cluster_settings.run()))
-            await self.elector.async_start(self.opts.host)
-            if self.settings.mdns:
-                self.discovery = Discovery(
-                    self.settings.cluster_id,
-                    self.advert,
-                    self._on_advert,
-                    self.elector.on_goodbye,
-                    self.settings.interface,
-                )
-                await self.discovery.async_start()
-                self._advertised = self.advert()
-        self._tasks.append(asyncio.create_task(self._probe()))
-        self._tasks.append(asyncio.create_task(self._refresh()))
-        if self.contrib.enabled:
-            self._tasks.append(asyncio.create_task(self.contrib.run()))
-        if self.elector is not None:
-            self._tasks.append(asyncio.create_task(self._coordinate()))
-            self._tasks.append(asyncio.create_task(self.copies.run()))
+
+    async def _join_election(self) -> None:
+        """Peer messages on the same port number (UDP), the gossip that rides on beats, and mDNS."""
+        signed = for_credentials(self.transport.creds)  # election datagrams: signed with credentials
+        self.elector = Elector(self.me, self.settings, self.store, self.opts.timing, signed)
+        self.elector.on_term = self._on_term
+        self.elector.on_change = self.supervisor.changed  # the services follow the role and the term
+        if self.transport.secure:  # members adopt the newest revocation list their peers' beats announce
+            self.gossip = RevocationGossip(self.transport)
+            self._spawn(self.gossip.run())
+        self.elector.on_beat_heard = self._on_beat  # and the newest cluster settings
+        self._spawn(self.cluster_settings.run())
+        await self.elector.async_start(self.opts.host)
+        if self.settings.mdns:
+            self.discovery = Discovery(
+                self.settings.cluster_id, self.advert, self._on_advert, self.elector.on_goodbye, self.settings.interface
+            )
+            await self.discovery.async_start()
+            self._advertised = self.advert()
 
     async def _serve(
         self, app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext | None = None
@@ -237,7 +240,7 @@ class AgentDaemon:
         await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
         return int(runner.addresses[-1][1])
 
-    async def async_shutdown(self) -> None:
+    async def async_stop(self) -> None:
         """Stop in the order the other nodes notice, every step bounded (see :mod:`agent.node.shutdown`).
 
         The election first: a coordinator's last beat says it stepped down, and with the beats
@@ -247,8 +250,10 @@ class AgentDaemon:
         self.stopping = True
         for t in self._tasks:
             t.cancel()
+        if self._tasks:  # (each ends at its next await: a thread it waits on is left to finish alone)
+            await bounded(asyncio.gather(*self._tasks, return_exceptions=True), 0.1, "the daemon's tasks")
         if self.elector is not None:
-            await bounded(self.elector.async_shutdown(), 0.1, "the election's last beat")
+            await bounded(self.elector.async_stop(), 0.1, "the election's last beat")
         steps = []
         if self.services is not None:
             steps.append(bounded(self.services.async_stop(), SERVICES_STOP_S, "the coordinator's services"))
@@ -258,67 +263,6 @@ class AgentDaemon:
         await asyncio.gather(*(bounded(r.cleanup(), LISTENERS_STOP_S, "a listener") for r in self._runners))
         if self.session is not None:
             await bounded(self.session.close(), 0.1, "the HTTP session")
-
-    # -- keeping what we offer current -----------------------------------------------------------
-    async def _probe(self) -> None:
-        from agent.node import capacity
-
-        try:
-            cap = await asyncio.to_thread(capacity.probe, requested=self.opts.device)
-        except Exception as e:
-            log.warning("capacity probe failed: %s", e)
-            return
-        self.capacity = cap.to_dict()
-        self.me.offers = cap.offers()
-        self.me.score = cap.speed_score
-        self.me.devices = tuple(cap.kinds()) or ("CPU",)
-        log.info(
-            "capacity: %s",
-            ", ".join(f"{o.name} {o.score:.1f} GFLOP/s, {o.mem_free / 2**30:.1f} GB free" for o in self.me.offers)
-            or "no device measured",
-        )
-
-    async def _refresh_device_memory(self) -> None:
-        """Re-read the free memory of devices that have their own (a discrete GPU: a property read on
-        the Core the stage runs on); the others offer the system's figure, read fresh for every beat."""
-        if not any(o.own_memory for o in self.me.offers):
-            return
-        from agent.node import capacity
-        from agent.runtime.device import core
-
-        def read() -> dict[str, int]:
-            c = core()
-            return {o.name: capacity.query_memory(c, o.name).free for o in self.me.offers if o.own_memory}
-
-        try:
-            free = await asyncio.to_thread(read)
-        except Exception as e:
-            log.debug("device memory not read: %s", e)
-            return
-        self.me.offers = tuple(replace(o, mem_free=free.get(o.name, o.mem_free)) for o in self.me.offers)
-
-    async def _refresh(self) -> None:
-        """Keep what we offer current; re-advertise over mDNS when it changed noticeably."""
-        while True:
-            await asyncio.sleep(1.0)
-            self._measure()
-            await self._refresh_device_memory()
-            self.contrib.expire()
-            if self.discovery is None:
-                continue
-            ad, old = self.advert(), self._advertised
-            if old is None or _differs(old, ad):
-                with contextlib.suppress(Exception):
-                    await self.discovery.async_update()
-                self._advertised = ad
-
-    def _measure(self) -> None:
-        t0, n0 = self._tokens_seen
-        now, n = time.monotonic(), self.host.positions
-        self.me.tok_s = round(max(0.0, n - n0) / max(now - t0, 1e-3), 1)
-        self._tokens_seen = (now, n)
-        self.me.temp_c = temperature_c()
-        self.me.next_rtt_ms = None if self.host.next_rtt_ms is None else round(self.host.next_rtt_ms, 3)
 
     def set_state(self, state: str, for_s: float | None = None) -> None:
         """The user's switch: pause, limit or resume contributing (``for_s``: it resets after that)."""
@@ -339,67 +283,6 @@ class AgentDaemon:
             self.elector.settings = self.settings
         return restart
 
-    async def _coordinate(self) -> None:
-        """Run the coordinator's services while this node is the elected coordinator."""
-        try:
-            make_services = await asyncio.to_thread(load_factory)  # (imports torch: seconds, off the loop)
-        except (NoCoordinator, ImportError) as err:
-            self.no_services = str(err)
-            log.error("this agent cannot coordinate: %s", err)
-            return
-        e = self.elector
-        assert e is not None
-        while True:
-            await asyncio.sleep(0.25)
-            leading = e.role is Role.COORDINATOR
-            term = self.store.state.term
-            want = self.effective_model()
-            moved = self.services is not None and leading and self.services.term == term and self._serving != want.key
-            if moved:  # a newer cluster setting was adopted (or set here): re-plan onto its model
-                log.info("the model to serve is now %s (%s): the services restart", want.model or "none", want.why)
-            if self.services is not None and (not leading or self.services.term != term or moved):
-                log.info("coordinator services stop (term %d)", self.services.term)
-                await self.services.async_stop()
-                self.services = None
-            if want.model and want.key != self._warmed:
-                # the first read of a model's config (and tokenizer) imports transformers' code for
-                # it: seconds, on a busy laptop enough to miss beats and lose the election, so off the
-                # loop, and on every member ahead of time, so that taking over never waits for it
-                self._warmed = want.key
-                await asyncio.to_thread(_read_config, want.model, self.held)
-                continue  # (still the coordinator, of the same term? the next round sees)
-            if leading and self.services is None:
-                s = self.settings
-                self._serving = want.key
-                self.services = make_services(
-                    ServicesSpec(
-                        model=want.model,
-                        weights=want.weights,
-                        draft=want.draft,
-                        name=self.display_name(),
-                        api_port=s.serve_api_port,
-                        ring_port=s.serve_ring_port if s.serve_ring_port is not None else ring_port_for(self.me.port),
-                        streams=s.serve_streams,
-                        min_nodes=s.serve_min_nodes,
-                        api_rate=s.serve_api_rate,
-                        api_concurrency=s.serve_api_concurrency,
-                        exact=s.serve_exact,
-                        term=term,
-                        my_address=f"{self._my_ip()}:{self.me.port}",
-                        members=self._members,
-                        nodes=self.node_infos,
-                        cluster=s.cluster_id,
-                        needed_before=lambda: self.copies.cluster_needs,
-                    )
-                )
-                self.services.start()
-
-    def _my_ip(self) -> str:
-        from agent.cluster.discovery import local_addresses
-
-        ips = local_addresses(self.settings.interface)
-        return ips[0] if ips else "127.0.0.1"
-
     def _may_fetch(self, request: web.Request) -> bool:
         """Who may copy this node's exports: with TLS, whoever the peer middleware let in (a member's
         certificate); in plaintext, loopback and live peers' addresses."""
@@ -415,127 +298,6 @@ class AgentDaemon:
         """While this node coordinates: the exports every member should hold (running, fallback)."""
         sv = self.services
         return sv.needed_exports() if sv is not None else []
-
-    def _heard_peers(self) -> list[HeardPeer]:
-        """Live peers with their latest beats, the coordinator first."""
-        e = self.elector
-        if e is None:
-            return []
-        now, leader = time.monotonic(), e.leader()
-        out = [
-            HeardPeer(p.node, f"{p.addr[0]}:{p.beat.port}", p.beat)
-            for p in e.peers.values()
-            if p.beat is not None and now - p.last_heard < e.timing.peer_timeout_s
-        ]
-        return sorted(out, key=lambda h: h.node != leader)
-
-    def _members(self) -> list[Member]:
-        e = self.elector
-        assert e is not None
-        me = self.me
-        here = f"{self._my_ip()}:{me.port}"
-        mem = min(me.mem_free(), me.mem_total)
-        serving, holds = self.host.report(), me.exports
-        out = [
-            Member(
-                NodeOffer(me.node, o.mem_free, max(o.score, 1.0), me.state, o.name), here, me.score > 0, serving, holds
-            )
-            for o in me.device_offers(mem)
-        ] or [Member(NodeOffer(me.node, mem, max(me.score, 1.0), me.state), here, me.score > 0, serving, holds)]
-        now = time.monotonic()
-        for p in e.peers.values():
-            b = p.beat
-            if b is None or now - p.last_heard >= e.timing.peer_timeout_s:
-                continue
-            there = f"{p.addr[0]}:{b.port}"
-            offers = [NodeOffer(p.node, o.mem_free, max(o.score, 1.0), b.state, o.name) for o in b.offers]
-            for offer in offers or [NodeOffer(p.node, b.mem_free, max(b.score, 1.0), b.state)]:
-                out.append(Member(offer, there, b.score > 0, b.serving, b.exports))
-        return out
-
-    def node_infos(self) -> list[NodeInfo]:
-        """Every node this one hears right now (itself first), as node maps show them."""
-        e = self.elector
-        me, st = self.me, self.host.status()
-        role = str(e.role) if e else "standalone"
-        out = [
-            NodeInfo(
-                node=me.node,
-                name=me.name or me.node,
-                address=f"{self._my_ip()}:{me.port}",
-                role=role,
-                state=me.state,
-                reason=me.reason,
-                devices=me.devices,
-                mem_free=min(me.mem_free(), me.mem_total),
-                mem_total=me.mem_total,
-                score=me.score,
-                temp_c=me.temp_c,
-                tok_s=me.tok_s,
-                rtt_ms=0.0,
-                next_rtt_ms=me.next_rtt_ms,
-                stage=st["stage"],
-                layers=tuple(st["layers"]) if st["layers"] else None,
-                version=me.version,
-            )
-        ]
-        if e is None:
-            return out
-        now = time.monotonic()
-        for p in e.peers.values():
-            b = p.beat
-            if b is None or now - p.last_heard >= e.timing.peer_timeout_s:
-                continue
-            out.append(
-                NodeInfo(
-                    node=p.node,
-                    name=b.name or p.node,
-                    address=f"{p.addr[0]}:{b.port}",
-                    role=b.role,
-                    state=b.state,
-                    reason=b.reason,
-                    devices=b.devices,
-                    mem_free=b.mem_free,
-                    mem_total=b.mem_total,
-                    score=b.score,
-                    temp_c=b.temp_c,
-                    tok_s=b.tok_s,
-                    rtt_ms=None if p.rtt_ms is None else round(p.rtt_ms, 2),
-                    next_rtt_ms=b.next_rtt_ms,
-                    version=b.version,
-                )
-            )
-        return out
-
-    def coordinator_target(self) -> Target | None:
-        """Where the coordinator's services are (see :mod:`agent.api.gateway`); None during an election."""
-        e = self.elector
-        if e is None:
-            return None
-        leader = e.leader()
-        if leader is None:
-            return None
-        if leader == self.node:
-            sv = self.services
-            if sv is None:
-                return None
-            return Target(self.node, api=sv.api_base(), hub=sv.hub, not_ready=sv.not_ready())
-        p = e.peers.get(leader)
-        if p is None or p.beat is None:
-            return None
-        return Target(leader, peer=f"{p.addr[0]}:{p.beat.port}")
-
-    def is_member_address(self, ip: str) -> bool:
-        """Whether ``ip`` is a live peer's (the public port serves the coordinator to members only)."""
-        e = self.elector
-        if e is None:
-            return False
-        with contextlib.suppress(ValueError):
-            addr = ipaddress.ip_address(ip)
-            if addr.version == 6 and addr.ipv4_mapped is not None:
-                ip = str(addr.ipv4_mapped)
-        now = time.monotonic()
-        return any(p.addr[0] == ip and now - p.last_heard < e.timing.peer_timeout_s for p in e.peers.values())
 
     def advert(self) -> Advert:
         m = self.me
@@ -557,6 +319,7 @@ class AgentDaemon:
     # -- the model the cluster serves ------------------------------------------------------------
     def _held(self, doc: Any) -> None:
         self.me.settings = doc.key if doc is not None else None  # what beats announce
+        self.supervisor.changed()  # a newer model to serve: the services restart onto it
 
     def model_settings(self) -> SettingsGossip:
         return self.cluster_settings
@@ -572,101 +335,52 @@ class AgentDaemon:
     def display_name(self) -> str:
         return self.me.name or self.node
 
-    # -- status ----------------------------------------------------------------------------------
-    def node_status(self) -> dict[str, Any]:
-        e = self.elector
-        return {
-            "node": self.node,
-            "name": self.me.name,
-            "cluster": self.settings.cluster_id,
-            "version": __version__,
-            "model": self.effective_model().to_json(),  # what it serves when elected, and why
-            "state": self.me.state,
-            "reason": self.me.reason,
-            "paused_until": self.contrib.manual_until,
-            "throttle": self.contrib.status(),
-            "tok_s": self.me.tok_s,
-            "temp_c": self.me.temp_c,
-            "role": str(e.role) if e else "standalone",
-            "term": self.store.state.term,
-            "coordinator": e.leader() if e else None,
-            "port": self.me.port,
-            "api_port": self.api_port,
-            "mdns": self.discovery is not None,
-            "links": self.links,
-            "mem_total": self.me.mem_total,
-            "mem_free": self.me.mem_free(),
-            "speed_score": self.me.score,
-            "devices": list(self.me.devices),
-            "devices_detail": [
-                {"name": o.name, "score": o.score, "mem_free": o.mem_free, "own_memory": o.own_memory}
-                for o in self.me.device_offers(min(self.me.mem_free(), self.me.mem_total))
-            ],
-            "capacity": self.capacity,
-            "stage": self.host.status(),
-            "exports": self.copies.status(),
-            "log_dir": str(log_dir()),
-            "config_file": str(self.config_path) if self.config_path else None,
-            "started": self.started,
-            "peers": self._live_peers(),
-        }
-
-    def _live_peers(self) -> int:
-        e = self.elector
-        if e is None:
-            return 0
-        now = time.monotonic()
-        return sum(1 for p in e.peers.values() if now - p.last_heard < e.timing.peer_timeout_s)
-
     @property
     def links(self) -> str:
         """How this node's links to other nodes travel: "TLS" (mutual, its cluster's certificates) or "PLAINTEXT"."""
         return "TLS" if self.transport.secure else "PLAINTEXT"
 
+    # -- what it hears (agent.node.views) and its status answers (agent.node.status) ------------------
+    def node_infos(self) -> list[NodeInfo]:
+        """Every node this one hears right now (itself first), as node maps show them."""
+        return views.node_infos(self)
+
+    def _members(self) -> list[Member]:
+        return views.members(self)
+
+    def coordinator_target(self) -> Target | None:
+        """Where the coordinator's services are (see :mod:`agent.api.gateway`); None during an election."""
+        return views.coordinator_target(self)
+
+    def is_member_address(self, ip: str) -> bool:
+        """Whether ``ip`` is a live peer's (the public port serves the coordinator to members only)."""
+        return views.is_member_address(self, ip)
+
+    def node_status(self) -> dict[str, Any]:
+        return status.node_status(self)
+
     def cluster_status(self) -> dict[str, Any]:
-        if self.elector is None:
-            return {"node": self.node, "role": "standalone", "peers": [], "coordinator": None, "term": 0}
-        st = self.elector.status()
-        st["links"] = self.links
-        sv = self.services
-        st["services"] = None if sv is None else {**sv.status(), "weights": sv.weights, "draft": sv.draft}
-        if self.no_services:
-            st["no_services"] = self.no_services
-        st["model"] = self.effective_model().to_json()
-        st["cluster_settings"] = self.cluster_settings.status()
-        st["assignments_refused"] = self.fence.refused  # not from the coordinator of their term
-        st["revocation"] = self.gossip.status() if self.gossip is not None else None
-        return st
+        return status.cluster_status(self)
 
 
-def _read_config(model: str, held: held_exports.HeldExports) -> None:
-    """Read a model's config once, from the store or from an export of it held here, and load the
-    tokenizer's code (in a worker thread: see ``_coordinate``); failures are the coordinator
-    services' to report."""
-    from agent.models.store import LocalModel, ModelStore
-
-    with contextlib.suppress(Exception):
-        from transformers import AutoConfig, AutoTokenizer  # noqa: F401  (the coordinator loads both)
-
-        m = ModelStore().get(model)
-        if m is None:
-            found = [h.dir for h in held.scan().values() if h.rel.startswith(f"{model}-")]
-            m = LocalModel.from_export(found[0]) if found else None
-        if m is not None:
-            m.config()
-
-
-def _differs(a: Advert, b: Advert) -> bool:
-    if (a.state, a.reason, a.devices, round(a.score, 1)) != (b.state, b.reason, b.devices, round(b.score, 1)):
-        return True
-    return abs(a.mem_free - b.mem_free) > max(256 * MIB, a.mem_free // 10)
+def _own_cluster(settings: Settings, certified: str | None) -> Settings:
+    """The settings with the cluster of this node's certificate, when it has one (it wins)."""
+    if certified is None or settings.cluster_id == certified:
+        return settings
+    if settings.cluster_id != "default":
+        log.warning(
+            "the settings' cluster_id %r is not this node's cluster: using %s (from its certificate)",
+            settings.cluster_id,
+            certified,
+        )
+    return replace(settings, cluster_id=certified)
 
 
 async def _started(d: AgentDaemon) -> AgentDaemon:
     try:
         await d.async_start()
     except BaseException:
-        await d.async_shutdown()  # what did start (sockets, the HTTP session) is closed again
+        await d.async_stop()  # what did start (sockets, the HTTP session) is closed again
         raise
     return d
 
@@ -678,4 +392,4 @@ async def running(settings: Settings, opts: DaemonOptions) -> AsyncIterator[Agen
     try:
         yield d
     finally:
-        await d.async_shutdown()
+        await d.async_stop()

@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 
-from agent.cluster.elector import LocalNode
+from agent.cluster.peers import LocalNode
 from agent.export.held import FetchError, Held, HeldExports, async_fetch
 from agent.protocol import Beat
 from agent.security import transport

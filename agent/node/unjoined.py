@@ -72,7 +72,7 @@ class LocalAgent:
             if self.opts.insecure or self._credentials() is not None:
                 await self._start_daemon()  # at start, its errors stop the agent (as they always did)
         except BaseException:
-            await self.async_shutdown()
+            await self.async_stop()
             raise
         if self.daemon is None:
             log.warning(
@@ -82,7 +82,7 @@ class LocalAgent:
             )
             self._watch = asyncio.create_task(self._wait_for_credentials())
 
-    async def async_shutdown(self) -> None:
+    async def async_stop(self) -> None:
         """The daemon's bounded shutdown, then the local API (last: it relays the coordinator's
         error chunks to the streams in flight through it), also bounded."""
         if self._watch is not None:
@@ -90,7 +90,7 @@ class LocalAgent:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch
         if self.daemon is not None:
-            await self.daemon.async_shutdown()
+            await self.daemon.async_stop()
         for r in reversed(self._runners):
             await bounded(r.cleanup(), LOCAL_API_STOP_S, "the local API")
 
@@ -254,7 +254,7 @@ async def _main(settings: Settings, opts: DaemonOptions, config_path: Any = None
     # within SHUTDOWN_S of the signal: the graceful part, then exit without waiting for worker
     # threads, an export's child process or OpenVINO's teardown (see agent.node.shutdown)
     exit_after(HARD_EXIT_S, code)
-    await bounded(a.async_shutdown(), SHUTDOWN_S, "the agent's shutdown")
+    await bounded(a.async_stop(), SHUTDOWN_S, "the agent's shutdown")
     exit_now(code)
 
 

@@ -122,7 +122,7 @@ async def trio(pki: Pki, tmp_path: Path) -> AsyncIterator[Trio]:
         await e.async_start("127.0.0.1")
     yield Trio(electors, tapped)
     for e in electors:
-        await e.async_shutdown()
+        await e.async_stop()
     tap.close()
 
 
@@ -292,7 +292,7 @@ async def test_plaintext_and_signed_nodes_ignore_each_other(pki: Pki, tmp_path: 
         assert plain.status()["election_traffic"]["mode"] == "plaintext"
     finally:
         for e in (plain, secure):
-            await e.async_shutdown()
+            await e.async_stop()
 
 
 @pytest.mark.parametrize(

@@ -1,17 +1,25 @@
-"""The election's messaging on real loopback UDP sockets (static peers, no multicast, in one loop)."""
+"""The election's messaging on real loopback UDP sockets (static peers, no multicast, in one loop).
+
+Elections that settle: agents started together, a coordinator whose event loop stalls, a voter
+that must not stand against the candidate it just voted for. Each failover costs one term; before
+these rules a coordinator back from a stall fought its successor, and three laptops went through
+seven terms (each restarting the coordinator's services) before they served."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from agent.cluster.elector import Elector, LocalNode
+from agent.cluster.election import Role, Timing
+from agent.cluster.elector import Elector
 from agent.cluster.node_state import TermStore
+from agent.cluster.peers import LocalNode
 from agent.common.config import Settings
-from agent.protocol import Ack, Beat, DeviceOffer, decode, encode
+from agent.protocol import Ack, Beat, DeviceOffer, Vote, VoteRequest, decode, encode
 from tests.support.udp import agreed, ask, until
 
 GB = 1024**3
@@ -43,7 +51,7 @@ async def trio(tmp_path: Path) -> AsyncIterator[list[Elector]]:
         await e.async_start("127.0.0.1")
     yield electors
     for e in electors:
-        await e.async_shutdown()
+        await e.async_stop()
 
 
 def _beat(cluster: str, node: str, term: int, role: str = "coordinator") -> bytes:
@@ -124,3 +132,73 @@ async def test_beats_carry_each_devices_offer(trio: list[Elector]) -> None:
     )
     row = next(r for r in trio[1].status()["peers"] if r["node"] == "n0")
     assert [o["name"] for o in row["offers"]] == ["CPU", "GPU", "GPU.1"]
+
+
+def _fenced(es: list[Elector]) -> None:
+    """No elector ever admitted two coordinators in one term."""
+    for e in es:
+        seen: dict[int, str] = {}
+        for h in e.history:
+            assert seen.setdefault(h["term"], h["coordinator"]) == h["coordinator"], list(e.history)
+
+
+async def test_three_agents_started_together_settle_within_two_terms(trio: list[Elector]) -> None:
+    await until(lambda: agreed(trio) is not None)
+    coord = agreed(trio)
+    # a few more beats and timeouts: nobody stands again once a coordinator is heard
+    await asyncio.sleep(3 * trio[0].timing.peer_timeout_s)
+    assert agreed(trio) == coord
+    assert {e.store.state.term for e in trio} == {trio[0].store.state.term} and trio[0].store.state.term <= 2
+    assert sum(e.elections for e in trio) <= 2
+    assert [e.role for e in trio].count(Role.COORDINATOR) == 1
+    _fenced(trio)
+
+
+def _stall(e: Elector) -> None:
+    """What a blocked event loop looks like from outside: no beats, datagrams pile up unread."""
+    assert e._task is not None and e._transport is not None
+    e._task.cancel()
+    e._transport.pause_reading()
+
+
+def _resume(e: Elector) -> None:
+    assert e._transport is not None
+    e._transport.resume_reading()
+    e._task = asyncio.create_task(e._run())
+
+
+async def test_a_coordinator_back_from_a_stall_follows_its_successor(trio: list[Elector]) -> None:
+    await until(lambda: agreed(trio) is not None)
+    first = agreed(trio)
+    old = next(e for e in trio if e.me.node == first)
+    rest = [e for e in trio if e is not old]
+    _stall(old)
+    await until(lambda: agreed(rest) not in (None, first))
+    successor = agreed(rest)
+    term = max(e.store.state.term for e in rest)
+    _resume(old)  # it reads the election it missed (a candidate's beats and vote request) first
+    await until(lambda: agreed(trio) is not None and old.role is Role.FOLLOWER)
+    await asyncio.sleep(3 * old.timing.peer_timeout_s)
+    assert agreed(trio) == successor  # the one elected meanwhile keeps coordinating...
+    assert {e.store.state.term for e in trio} == {term}  # ...in the term it was elected in: no fight
+    _fenced(trio)
+
+
+async def test_a_voter_does_not_stand_against_the_candidate_it_voted_for(tmp_path: Path) -> None:
+    (port,) = _ports(1)
+    # (a long peer timeout: the old rule restarted a voter's clock only that far back, which hid the fault)
+    timing = Timing(peer_timeout_s=3.0, election_base_s=2.0, election_spread_s=0.0)
+    e = Elector(_node("n0", port), Settings(cluster_id="t", port=port, mdns=False), TermStore(tmp_path), timing)
+    await e.async_start("127.0.0.1")
+    try:
+        await asyncio.sleep(1.0)  # half its own election delay (2 s) gone
+        req = VoteRequest("t", "cand", 9, 1, True, 1.0, GB)
+        vote, _ = decode(await ask(port, encode(req)) or b"")
+        assert isinstance(vote, Vote) and vote.granted
+        await asyncio.sleep(1.4)  # the candidate counts its votes, then beats (past the voter's own delay)
+        beat = Beat("t", "cand", 9, 1, "coordinator", "cand", "available", True, 1.0, GB, 2 * GB, ("CPU",), "0.1.0")
+        ack, _ = decode(await ask(port, encode(beat)) or b"")
+        assert isinstance(ack, Ack) and ack.accepted
+        assert e.elections == 0 and e.store.state.term == 1 and e.leader() == "cand"
+    finally:
+        await e.async_stop()

@@ -15,6 +15,7 @@ from agent.cluster.election import (
     Timing,
     admit,
     can_stand,
+    deposed,
     election_delay,
     quorum,
     stand,
@@ -217,3 +218,20 @@ def test_settings_file(tmp_path: Path) -> None:
     f.write_text("cluster_id: [unclosed")
     with pytest.raises(ConfigError, match="cannot read"):
         load(f)
+
+
+@pytest.mark.parametrize(
+    ("term", "their_leader", "stalled", "steps_aside"),
+    [
+        (6, "z", False, True),  # a newer term with a coordinator of its own: elected while we were away
+        (6, None, False, False),  # a lone candidate's newer term: fenced off (we stand above it)
+        (6, "me", False, False),  # it still follows us
+        (6, None, True, True),  # just back from a stall: what we hear may be an election we missed
+        (5, "z", True, False),  # our own term: the standing decides (two coordinators of one term)
+        (4, "z", False, False),  # an older term: nothing to yield to
+    ],
+)
+def test_a_coordinator_steps_aside_for_a_successor_not_for_a_challenger(
+    term: int, their_leader: str | None, stalled: bool, steps_aside: bool
+) -> None:
+    assert deposed(term, 5, their_leader, "me", stalled) is steps_aside
