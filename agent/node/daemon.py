@@ -168,7 +168,10 @@ class AgentDaemon:
         self.session: aiohttp.ClientSession | None = None  # forwarding to the coordinator
         # the user's switch and the throttle policy: this node's state, applied to its stage
         self.contrib = Contribution(
-            self.me, self.host, lambda: self.settings.throttle, enabled=opts.throttle and settings.throttle.enabled
+            self.me,
+            self.host.throttle,
+            lambda: self.settings.throttle,
+            enabled=opts.throttle and settings.throttle.enabled,
         )
         self.tokens_seen = (time.monotonic(), 0)  # (when, positions): the token rate
 

@@ -143,6 +143,11 @@ class ComputeThread:
                 continue
             spin_until = idle_from + self.spin_s if spin_pays(self.gaps, self.spin_s) else 0.0
 
+    def pace(self, duty: float, spin_s: float) -> None:
+        """The share of the time it may compute, and how long it spins for the next job (from
+        any thread: each is one value the thread reads once per job)."""
+        self.duty, self.spin_s = duty, spin_s
+
     def shutdown(self) -> None:
         self._q.put(_STOP)
 

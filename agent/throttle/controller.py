@@ -10,6 +10,8 @@ and the throttle policy over the probes (read every ``poll_s``). The stricter wi
   its work (it computes at most ``limited_share`` of the time) and no longer spins between
   steps, the next stage it compiles uses that share of the threads, and the planner counts the
   node at reduced speed.
+
+The stage is told through one call (``StageHost.throttle``), never by writing its fields.
 * AVAILABLE: all of that is undone (where the OS lets a process raise its priority again).
 """
 
@@ -42,12 +44,12 @@ class Contribution:
     def __init__(
         self,
         me: Any,  # agent.cluster.elector.LocalNode: its state and reason are what beats and adverts carry
-        host: Any,  # agent.serving.stage_host.StageHost
+        stage: Callable[[str | None, float | None], None],  # agent.serving.stage_host.StageHost.throttle
         settings: Callable[[], ThrottleSettings],
         enabled: bool = True,
         poll_s: float = 0.1,
     ) -> None:
-        self.me, self.host, self.settings = me, host, settings
+        self.me, self.stage, self.settings = me, stage, settings
         self.enabled = enabled
         self.poll_s = poll_s
         self.manual: str | None = None  # the user's switch: paused or limited (None: not set)
@@ -56,8 +58,6 @@ class Contribution:
         self.readings: Readings | None = None
         self.probes: Probes | None = None
         self.changes = 0
-        self._spin_s = host.compute.spin_s
-        self._threads = host.threads
         self._nice: int | None = None  # the priority before we lowered it
         self._applied: tuple[str, str | None] = (AVAILABLE, None)
 
@@ -112,19 +112,13 @@ class Contribution:
         self._applied = (state, reason)
         self.changes += 1
         self.me.state, self.me.reason = state, reason
-        self.host.paused = (reason or "paused") if state == PAUSED else None
         share = self.settings().limited_share
+        # the stage's own method: it refuses steps while paused, rests and uses fewer threads while limited
+        self.stage((reason or "paused") if state == PAUSED else None, share if state == LIMITED else None)
         if state == LIMITED:
-            self.host.compute.duty, self.host.compute.spin_s = share, 0.0
-            if self._threads or psutil.cpu_count():
-                base = self._threads or psutil.cpu_count() or 1
-                self.host.threads = max(1, int(base * share))  # the next stage it compiles
             self._lower_priority()
-        else:
-            self.host.compute.duty, self.host.compute.spin_s = 1.0, self._spin_s
-            self.host.threads = self._threads
-            if state == AVAILABLE:
-                self._restore_priority()
+        elif state == AVAILABLE:
+            self._restore_priority()
 
     def _lower_priority(self) -> None:
         if self._nice is not None:

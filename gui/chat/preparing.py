@@ -1,4 +1,5 @@
-"""The chat window's word on a coordinator that prepares its model (before its first answer).
+"""The chat window's word on a coordinator that prepares its model (before its first answer),
+or that cannot be reached (:func:`unreachable`).
 
 The coordinator's API answers only once the model is ready; until then the local agent says
 ``not_serving`` with the step it is at, and the cluster's event stream carries each step as it
@@ -40,6 +41,22 @@ def banner(p: Preparation | None, said: str | None, pending: bool) -> tuple[str,
         return text, INFO, p.percent
     why = (said or "the coordinator is not ready yet").strip()
     return f"{why[:1].upper()}{why[1:]}.\nThe chat answers once it is ready.{then}", INFO, None
+
+
+def unreachable(why: str, bad_address: bool, pending: bool, retry_s: float) -> str:
+    """The banner's text when no coordinator answers (``why``: what the client said; it names
+    the wrong address when ``bad_address``), retried every ``retry_s`` (pure)."""
+    if bad_address:  # (``why`` says what is wrong with it)
+        extra = " Your message will be sent once it works." if pending else ""
+        return (
+            f"{why[:1].upper()}{why[1:]}.\nCorrect it in Settings (Chat tab), or leave it blank to chat "
+            f"through this laptop's agent.{extra}"
+        )
+    extra = " Your message will be sent when one answers." if pending else ""
+    head = "No coordinator is reachable right now"
+    if why.lower().startswith(head.lower()):  # the agent's own words say it: once is enough
+        head, why = f"{head}{why[len(head) :].split(';')[0]}", ""
+    return f"{head}; retrying every {retry_s:.0f} s.{extra}" + (f"\n{why}" if why else "")
 
 
 async def async_follow(client: Client, on_view: Callable[[ClusterView | None], None]) -> None:

@@ -101,7 +101,7 @@ async def test_an_interrupted_download_resumes_where_it_stopped(tmp_path: Path) 
     """The agent asks only for the missing bytes (HTTP Range) and reports its progress."""
     from aiohttp import web
 
-    from agent.serving.stage_host import StageHost
+    from agent.serving.stage_files import StageFiles
 
     blob = bytes(range(256)) * 4096  # 1 MiB
     (tmp_path / "model.bin").write_bytes(blob)
@@ -117,27 +117,28 @@ async def test_an_interrupted_download_resumes_where_it_stopped(tmp_path: Path) 
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     port = runner.addresses[0][1]
-    host = StageHost(device="CPU")
+    files = StageFiles()
     part = tmp_path / "partial.bin"
     part.write_bytes(blob[:300_000])  # what arrived before the link dropped
     try:
         async with aiohttp.ClientSession() as s:
-            await host._fetch(s, f"http://127.0.0.1:{port}/model.bin", part, 0.0, len(blob))
+            await files.async_fetch(s, f"http://127.0.0.1:{port}/model.bin", part, 0.0, len(blob))
             assert part.read_bytes() == blob
             assert ranges == ["bytes=300000-"]
-            assert host.fetching == {
+            assert files.fetching == {
                 "file": "partial.bin",
                 "bytes": len(blob),
                 "total": len(blob),
                 "resumed_from": 300_000,
             }
-            await host._fetch(s, f"http://127.0.0.1:{port}/model.bin", part, 0.0, len(blob))  # whole: nothing more
+            await files.async_fetch(
+                s, f"http://127.0.0.1:{port}/model.bin", part, 0.0, len(blob)
+            )  # whole: nothing more
             assert part.read_bytes() == blob
             # a server that sends more than the manifest declared is refused, and the file goes
             big = tmp_path / "big.bin"
             with pytest.raises(ProtocolError, match="more than the 1000 bytes expected"):
-                await host._fetch(s, f"http://127.0.0.1:{port}/model.bin", big, 0.0, 1000)
+                await files.async_fetch(s, f"http://127.0.0.1:{port}/model.bin", big, 0.0, 1000)
             assert not big.exists()
     finally:
-        host.shutdown()
         await runner.cleanup()

@@ -323,4 +323,6 @@ def test_the_chat_window_opened_from_the_tray_shows_the_end_of_a_long_conversati
         assert bar.value() == bar.maximum()
     finally:
         run(qloop, w.async_stop())
+        run(qloop, w.client.close())
         w.deleteLater()
+        store.close()

@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from agent.common import aio
-from agent.serving.stage_host import HEAD_PROBE_EVERY, head_split_pays
+from agent.serving.stage_worker import HEAD_PROBE_EVERY, head_split_pays
 from coordinator.batching.scheduler import GenRequest
 from coordinator.lab.local_cluster import LocalCluster
 from coordinator.service.coordinator import Coordinator
