@@ -55,9 +55,10 @@ def test_over_a_slow_link_the_last_stage_stops_splitting_the_head(smollm2, smoll
             await coord.async_stop()
 
     with LocalCluster(2) as c:  # --head-help auto, the default
-        slow = aio.run(gen(c.nodes, 7100, 40.0))
+        slow = aio.run(gen(c.nodes, 7100, 150.0))
         on_slow = _head_steps(c.nodes[1])
         fast = aio.run(gen(c.nodes, 7200, 0.0))
     assert len(slow) == tokens and slow == fast
-    # over 40 ms hops one split round shows it costs; then only a re-measuring probe
+    # over 150 ms hops one split round shows it costs (a split wins back a few ms of compute, even on
+    # a machine so busy that its steps take ten times as long); then only a re-measuring probe
     assert 1 <= on_slow <= 1 + (tokens - 2) // HEAD_PROBE_EVERY, on_slow
