@@ -210,7 +210,7 @@ def whole_int8(smollm2, export_root: Path):  # type: ignore[no-untyped-def]
 def exact_config(model: Any, nodes: list[str], term: int, **kw: Any) -> Any:
     """A coordinator config whose outputs compare token for token: INT8 weights, f32 all through."""
     from agent.export.exporter import ExportOptions
-    from coordinator.service.coordinator import ServeConfig
+    from coordinator.service.config import ServeConfig
 
     return ServeConfig(
         nodes=nodes,

@@ -37,7 +37,8 @@ from agent.security import transport
 from agent.security.errors import SecurityError
 from coordinator.api.limits import Limits
 from coordinator.planning.planner import Plan, PlanError, StagePlan, footprint, plan_pipeline, prefer_held
-from coordinator.service.coordinator import Coordinator, ServeConfig
+from coordinator.service.config import ServeConfig
+from coordinator.service.coordinator import Coordinator
 from coordinator.service.preparing import Preparer
 from coordinator.service.takeover import Adoption, Held, Running, adopt
 
