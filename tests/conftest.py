@@ -150,7 +150,8 @@ class Served:
             self.stop()
             raise RuntimeError("coordinator did not start:\n" + "".join(self.output[-30:]))
         # keep draining its output so it can never block on a full pipe
-        threading.Thread(target=lambda: self.output.extend(self.proc.stdout or []), daemon=True).start()
+        self.drained = threading.Thread(target=lambda: self.output.extend(self.proc.stdout or []), daemon=True)
+        self.drained.start()
 
     @property
     def nodes(self) -> list[str]:

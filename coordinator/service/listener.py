@@ -9,6 +9,8 @@ name from a fixed list: no path from the request reaches the file system.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import socket
 import ssl
@@ -79,6 +81,7 @@ class DataListener:
         self.host = ""  # where the agents reach it (once started)
         self.port = 0
         self._runner: web.AppRunner | None = None
+        self._rings: set[web.WebSocketResponse] = set()  # the ring's return links open now
 
     def _choose_port(self) -> int:
         want = self.wanted_port
@@ -108,9 +111,13 @@ class DataListener:
     async def _ring(self, request: web.Request) -> web.WebSocketResponse:
         ws = web.WebSocketResponse(heartbeat=HEARTBEAT_S, max_msg_size=MAX_FRAME, compress=False)
         await ws.prepare(request)
-        async for m in ws:
-            if m.type == aiohttp.WSMsgType.BINARY:
-                await self.on_frame(m.data)
+        self._rings.add(ws)
+        try:
+            async for m in ws:
+                if m.type == aiohttp.WSMsgType.BINARY:
+                    await self.on_frame(m.data)
+        finally:
+            self._rings.discard(ws)
         return ws
 
     async def _artifact(self, request: web.Request) -> web.StreamResponse:
@@ -133,6 +140,12 @@ class DataListener:
         return transport.current().url(f"{self.host}:{self.port}", "/artifacts")
 
     async def async_stop(self) -> None:
+        """Close the ring's return links, then the listener. Closed first, they end at once; left
+        to the runner's cleanup, they held every stop of ``lakeshard serve`` past its time."""
+        if self._rings:
+            closing = asyncio.gather(*(ws.close() for ws in list(self._rings)), return_exceptions=True)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(closing, STOP_GRACE_S)
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
