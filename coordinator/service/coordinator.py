@@ -25,7 +25,8 @@ from agent.export.exporter import ExportResult
 from agent.protocol.events import ClusterView
 from agent.runtime.tokenizer import ChatTokenizer
 from coordinator.api.limits import Limiter
-from coordinator.api.routes import ApiState, make_api_app
+from coordinator.api.routes import make_api_app
+from coordinator.api.state import ApiState
 from coordinator.batching.scheduler import Scheduler
 from coordinator.planning.calibration import CalibrationStore
 from coordinator.ring.pipeline import Pipeline, StagePlacement
