@@ -177,7 +177,8 @@ def _serve(args: argparse.Namespace) -> int:
     from agent.common.limits import MAX_CONCURRENCY, MAX_RATE
     from agent.models.store import ModelStore
     from coordinator.api.limits import resolve
-    from coordinator.service.coordinator import ServeConfig, run_coordinator
+    from coordinator.service.config import ServeConfig
+    from coordinator.service.serve import run_coordinator
 
     loopback = args.api_host in ("localhost",) or (
         _is_ip(args.api_host) and ipaddress.ip_address(args.api_host).is_loopback

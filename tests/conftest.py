@@ -160,7 +160,8 @@ class Served:
             self.stop()
             raise RuntimeError("coordinator did not start:\n" + "".join(self.output[-30:]))
         # keep draining its output so it can never block on a full pipe
-        threading.Thread(target=lambda: self.output.extend(self.proc.stdout or []), daemon=True).start()
+        self.drained = threading.Thread(target=lambda: self.output.extend(self.proc.stdout or []), daemon=True)
+        self.drained.start()
 
     @property
     def nodes(self) -> list[str]:
@@ -220,7 +221,7 @@ def whole_int8(smollm2, export_root: Path):  # type: ignore[no-untyped-def]
 def exact_config(model: Any, nodes: list[str], term: int, **kw: Any) -> Any:
     """A coordinator config whose outputs compare token for token: INT8 weights, f32 all through."""
     from agent.export.exporter import ExportOptions
-    from coordinator.service.coordinator import ServeConfig
+    from coordinator.service.config import ServeConfig
 
     return ServeConfig(
         nodes=nodes,

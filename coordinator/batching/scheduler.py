@@ -10,6 +10,7 @@ With a drafter configured, every stream decodes speculatively (see
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -162,6 +163,7 @@ class Scheduler:
             self._slots.release()
 
     async def _generate_once(self, pipeline: Pipeline, req: GenRequest) -> AsyncGenerator[int, None]:
+        """One attempt at ``req`` on ``pipeline``: in the ring, speculatively, or step by step."""
         stream = pipeline.new_stream()
         spec = self.speculator if req.ids_only and req.spec_k != 0 else None
         draft = (
@@ -169,54 +171,16 @@ class Scheduler:
             if spec is not None
             else None
         )
-        if draft is None:  # plain throughout: a request the draft's prefill would not pay for
-            spec = None
         try:
-            if spec is None and req.ids_only and self.ring_loop:
-                async for tok in self._in_ring(pipeline, stream, req):
-                    yield tok
-                return
-            t0 = time.perf_counter()
-            passed: asyncio.Future[None] | None = None
-            if spec is not None and draft is not None and draft.deferred is not None:
-                # the draft shares stage 0's cores: it prefills once stage 0 has the whole prompt
-                passed = asyncio.get_running_loop().create_future()
-                passed.add_done_callback(lambda _: spec.start_prefill(draft))
-            toks = await self._prefill(pipeline, stream, req, passed)
-            self._observe_prefill(req, time.perf_counter() - t0, draft)
             if spec is not None and draft is not None:
-                # the prefill's result also resolves ``passed``, but its callback may not have run
-                # yet: make sure the deferred prefill is under way (a no-op once it is)
-                spec.start_prefill(draft)
-                gen = spec.async_decode(
-                    stream,
-                    draft,
-                    req.prompt,
-                    toks[-1],
-                    max_tokens=req.max_tokens,
-                    sampling=req.sampling,
-                    stop=_ring_stop(req),
-                    k_override=req.spec_k,
-                    depth_override=req.spec_depth,
-                    conf_override=req.spec_min_conf,
-                    counters=req.spec_counters,
-                )
-                try:
-                    async for tok in gen:
-                        if tok in req.stop_ids:
-                            return
-                        yield tok
-                finally:
-                    await gen.aclose()
-                return
-            for i in range(req.max_tokens):
-                tok = toks[-1]
-                if tok in req.stop_ids:
-                    return
-                yield tok
-                if i + 1 == req.max_tokens:
-                    return
-                toks = await pipeline.send_step(stream, [tok], sampling=req.sampling, ret_logits=not req.ids_only)
+                gen = self._speculated(pipeline, stream, req, spec, draft)
+            elif req.ids_only and self.ring_loop:  # plain throughout (also a request the draft's
+                gen = self._in_ring(pipeline, stream, req)  # prefill would not pay for)
+            else:
+                gen = self._stepped(pipeline, stream, req)
+            async with contextlib.aclosing(gen):
+                async for tok in gen:
+                    yield tok
         finally:
             if draft is not None:
                 draft.session.close()
@@ -224,6 +188,56 @@ class Scheduler:
                 await pipeline.async_close_stream(stream)
             except Exception as e:  # the request is over either way
                 log.info("closing stream %s: %s", stream, e)
+
+    async def _speculated(
+        self, pipeline: Pipeline, stream: str, req: GenRequest, spec: Speculator, draft: DraftHandle
+    ) -> AsyncGenerator[int, None]:
+        """Speculative decoding: the target's prefill, then drafted tokens verified by the ring."""
+        t0 = time.perf_counter()
+        passed: asyncio.Future[None] | None = None
+        if draft.deferred is not None:
+            # the draft shares stage 0's cores: it prefills once stage 0 has the whole prompt
+            passed = asyncio.get_running_loop().create_future()
+            passed.add_done_callback(lambda _: spec.start_prefill(draft))
+        toks = await self._prefill(pipeline, stream, req, passed)
+        self._observe_prefill(req, time.perf_counter() - t0, draft)
+        # the prefill's result also resolves ``passed``, but its callback may not have run
+        # yet: make sure the deferred prefill is under way (a no-op once it is)
+        spec.start_prefill(draft)
+        gen = spec.async_decode(
+            stream,
+            draft,
+            req.prompt,
+            toks[-1],
+            max_tokens=req.max_tokens,
+            sampling=req.sampling,
+            stop=_ring_stop(req),
+            k_override=req.spec_k,
+            depth_override=req.spec_depth,
+            conf_override=req.spec_min_conf,
+            counters=req.spec_counters,
+        )
+        try:
+            async for tok in gen:
+                if tok in req.stop_ids:
+                    return
+                yield tok
+        finally:
+            await gen.aclose()
+
+    async def _stepped(self, pipeline: Pipeline, stream: str, req: GenRequest) -> AsyncGenerator[int, None]:
+        """Plain decoding through the coordinator: one step a token (or logits, the naive design)."""
+        t0 = time.perf_counter()
+        toks = await self._prefill(pipeline, stream, req)
+        self._observe_prefill(req, time.perf_counter() - t0, None)
+        for i in range(req.max_tokens):
+            tok = toks[-1]
+            if tok in req.stop_ids:
+                return
+            yield tok
+            if i + 1 == req.max_tokens:
+                return
+            toks = await pipeline.send_step(stream, [tok], sampling=req.sampling, ret_logits=not req.ids_only)
 
     async def _in_ring(self, pipeline: Pipeline, stream: str, req: GenRequest) -> AsyncGenerator[int, None]:
         """Plain decoding with the coordinator off the per-token path (``Fwd.auto``)."""

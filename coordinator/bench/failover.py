@@ -26,7 +26,8 @@ from agent.models.store import LocalModel, ModelStore
 from coordinator.batching.scheduler import GenRequest
 from coordinator.bench.pipeline import BenchError
 from coordinator.lab.local_cluster import LocalCluster
-from coordinator.service.coordinator import Coordinator, ServeConfig
+from coordinator.service.config import ServeConfig
+from coordinator.service.coordinator import Coordinator
 
 QUESTION = "Tell me a long story about a lighthouse keeper and a storm."
 

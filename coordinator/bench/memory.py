@@ -20,7 +20,8 @@ from agent.export.exporter import ExportOptions, export_model
 from agent.models.registry import REGISTRY
 from coordinator.bench.pipeline import resolve_model, synthetic_ids
 from coordinator.lab.local_cluster import LocalCluster
-from coordinator.service.coordinator import Coordinator, ServeConfig
+from coordinator.service.config import ServeConfig
+from coordinator.service.coordinator import Coordinator
 
 
 def _node(node: str) -> dict[str, Any]:

@@ -36,7 +36,8 @@ from agent.models.store import LocalModel, ModelStore
 from agent.runtime.device import DeviceError, choose_device, device_names
 from coordinator.batching.scheduler import GenRequest
 from coordinator.lab.local_cluster import LocalCluster
-from coordinator.service.coordinator import Coordinator, ServeConfig, plan_ranges
+from coordinator.service.config import ServeConfig, plan_ranges
+from coordinator.service.coordinator import Coordinator
 
 CONFIGS = Path(__file__).parent / "configs"
 IDLE_S = 0.2  # longer than an idle stage spins (agent --spin-ms, 50 ms)

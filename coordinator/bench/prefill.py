@@ -23,7 +23,8 @@ from agent.common import aio
 from coordinator.batching.scheduler import PREFILL_PIECES_PER_STAGE, GenRequest, prefill_chunks
 from coordinator.bench.pipeline import IDLE_S, BenchError, Mono, _ints, _say, prepare, synthetic_ids
 from coordinator.lab.local_cluster import LocalCluster
-from coordinator.service.coordinator import Coordinator, ServeConfig
+from coordinator.service.config import ServeConfig
+from coordinator.service.coordinator import Coordinator
 
 
 async def _measure(cfg: ServeConfig, prompt: list[int], runs: int, mono: Mono) -> dict[str, list[float]]:

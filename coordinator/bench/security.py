@@ -48,7 +48,8 @@ from coordinator.lab.fuzz_frames import VICTIM_MARK, hostile_frames
 from coordinator.lab.live_fuzz import Hostile, generate, healthy, name_streams
 from coordinator.lab.local_cluster import LocalCluster, free_port
 from coordinator.lab.machine_load import SHARED, OthersWindow, others_share
-from coordinator.service.coordinator import Coordinator, ServeConfig
+from coordinator.service.config import ServeConfig
+from coordinator.service.coordinator import Coordinator
 
 
 def _say(msg: str) -> None:

@@ -34,7 +34,8 @@ from coordinator.batching.scheduler import GenRequest
 from coordinator.bench.pipeline import BenchError, bench_devices
 from coordinator.bench.spec_prompts import PROMPTS
 from coordinator.lab.local_cluster import LocalCluster
-from coordinator.service.coordinator import Coordinator, ServeConfig
+from coordinator.service.config import ServeConfig
+from coordinator.service.coordinator import Coordinator
 
 
 def _say(msg: str) -> None:
@@ -288,7 +289,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     draft_threads = args.draft_threads or (len(spare) if spare else c)
 
     from agent.runtime.tokenizer import ChatTokenizer
-    from coordinator.service.coordinator import plan_ranges
+    from coordinator.service.config import plan_ranges
 
     tok = ChatTokenizer(target.tokenizer_dir, target.dir / "config.json")
     prompts = [tok.chat_ids([{"role": "user", "content": p}]) for p in PROMPTS[args.prompts][: args.num_prompts]]

@@ -19,7 +19,8 @@ from coordinator.batching.scheduler import GenRequest
 from coordinator.bench.failover import generate_with_kill
 from coordinator.lab.local_cluster import LocalCluster
 from coordinator.ring.pipeline import PipelineError
-from coordinator.service.coordinator import Coordinator, ServeConfig
+from coordinator.service.config import ServeConfig
+from coordinator.service.coordinator import Coordinator
 from tests.conftest import exact_config
 from tests.support.figures import report
 
