@@ -51,14 +51,19 @@ STEP_COLOUR = "#0369a1"  # a node's preparation step, under its figures
 GIB = 1024**3
 
 
+HEADER_H = 28  # the header line (cluster, term, model) above the boxes
+
+
 def layout(view: ClusterView, width: float, height: float) -> dict[str, QRectF]:
-    """Where each node's box goes: the ring's stages clockwise from the top, then the others (pure)."""
+    """Where each node's box goes: the ring's stages clockwise from the top, then the others, all
+    below the header line (pure)."""
     order = list(view.ring) + sorted(n.node for n in view.nodes if n.node not in view.ring)
     order = [n for n in order if view.node(n) is not None]
     out: dict[str, QRectF] = {}
     k = len(order)
-    cx, cy = width / 2, height / 2
-    rx, ry = max(width / 2 - BOX_W / 2 - 16, 0), max(height / 2 - BOX_H / 2 - 16, 0)
+    below = max(height - HEADER_H, 0)
+    cx, cy = width / 2, HEADER_H + below / 2
+    rx, ry = max(width / 2 - BOX_W / 2 - 16, 0), max(below / 2 - BOX_H / 2 - 16, 0)
     for i, node in enumerate(order):
         a = -math.pi / 2 + 2 * math.pi * i / max(k, 1)
         x, y = (cx, cy) if k == 1 else (cx + rx * math.cos(a), cy + ry * math.sin(a))
@@ -201,7 +206,7 @@ class MapCanvas(QWidget):
         if v.preparing is not None and v.preparing.step != "ready":
             model = f"{v.model or v.preparing.model} ({v.preparing.describe()})"
         head = f"{v.cluster} · term {v.term} · {model} · {v.streams} answering · ★ coordinator"
-        p.drawText(QRectF(8, 4, self.width() - 16, 20), Qt.AlignmentFlag.AlignLeft, head)
+        p.drawText(QRectF(8, 4, self.width() - 16, HEADER_H - 8), Qt.AlignmentFlag.AlignLeft, head)
 
     def _box(self, p: QPainter, r: QRectF, n: NodeInfo, coordinator: bool, me: bool, step: NodeStep | None) -> None:
         path = QPainterPath()
