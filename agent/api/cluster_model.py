@@ -56,13 +56,9 @@ def offered_models() -> list[dict[str, Any]]:
     """The registry's models (pulled or not), then the store's others, each marked ``pulled``
     (reads the store: call it off the event loop)."""
     from agent.models.registry import REGISTRY
-    from agent.models.store import ModelStore, StoreError
+    from agent.models.store import readable_models
 
-    try:
-        local = {m.name: m for m in ModelStore().list()}
-    except (OSError, ValueError, KeyError, StoreError) as e:
-        log.warning("cannot read the model store: %s", e)
-        local = {}
+    local = readable_models()
     out = [
         {
             "name": s.name,

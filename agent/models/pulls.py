@@ -117,14 +117,9 @@ PULLS: web.AppKey[Pulls] = web.AppKey("model_pulls")
 def _known() -> tuple[list[str], set[str]]:
     """The registry's names and those already in the store (reads the store: off the loop)."""
     from agent.models.registry import REGISTRY
-    from agent.models.store import ModelStore
+    from agent.models.store import readable_models
 
-    try:
-        have = {m.name for m in ModelStore().list()}
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
-        log.warning("cannot read the model store: %s", e)
-        have = set()
-    return sorted(REGISTRY), have
+    return sorted(REGISTRY), set(readable_models())
 
 
 async def _start(request: web.Request) -> web.Response:

@@ -354,3 +354,13 @@ class ModelStore:
             return self._install(out, name)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def readable_models() -> dict[str, LocalModel]:
+    """This laptop's store by name; empty, with a warning logged, when it cannot be read (for lists
+    offered to the user, which should show the registry still). Reads the disk: off the event loop."""
+    try:
+        return {m.name: m for m in ModelStore().list()}
+    except (OSError, ValueError, KeyError, StoreError) as e:
+        log.warning("cannot read the model store: %s", e)
+        return {}

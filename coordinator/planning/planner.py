@@ -207,6 +207,11 @@ def _nodes(offers: Sequence[NodeOffer]) -> list[_Node]:
     ]
 
 
+def _usable(offers: Sequence[NodeOffer]) -> list[_Node]:
+    """The nodes a plan may use: not paused, with a speed and free memory."""
+    return _nodes([o for o in offers if o.state != "paused" and o.speed > 0 and o.mem_free > 0])
+
+
 def _factor(devices: Sequence[NodeOffer]) -> float:
     return 0.5 if any(d.state == "limited" for d in devices) else 1.0
 
@@ -279,7 +284,7 @@ def plan_pipeline(
     integrated GPU and the CPU share one memory bus, so decoding, which is bound by memory
     bandwidth, gains little from splitting across them.
     """
-    usable = _nodes([o for o in offers if o.state != "paused" and o.speed > 0 and o.mem_free > 0])
+    usable = _usable(offers)
     if not usable:
         raise PlanError("no node is available (all paused or unknown)")
     least = max(1, min(min_nodes, len(usable)))
@@ -384,7 +389,7 @@ def prefer_held(
     while as many nodes are usable (as :func:`plan_pipeline`)."""
     if any(list(r) == plan.ranges for r in held):
         return plan  # exported already
-    usable = _nodes([o for o in offers if o.state != "paused" and o.speed > 0 and o.mem_free > 0])
+    usable = _usable(offers)
     others = [n.name for n in sorted(usable, key=lambda n: (-n.speed, n.name)) if n.name not in plan.nodes]
     pool = [*plan.nodes, *others]
     least = max(1, min(min_nodes, len(usable)))
