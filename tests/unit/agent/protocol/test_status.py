@@ -3,10 +3,12 @@ an older agent's answer (no ``reason_kind``) still reads, and a bad field is ref
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
+from agent.protocol import Beat, decode, encode
 from agent.protocol.codec import ProtocolError
 from agent.protocol.status import ClusterStatus, NodeStatus, PauseReason, PeerStatus, StageStatus
 
@@ -221,3 +223,13 @@ def test_a_bad_field_is_refused_by_name(kind: Any, wire: Any, field: str) -> Non
         kind.parse(wire)
     assert e.value.code == "bad_field"
     assert str(e.value).startswith(field), str(e.value)
+
+
+def test_beats_carry_the_kind_and_an_older_peers_beat_still_parses() -> None:
+    beat = Beat("c1", "n2", 7710, 3, "follower", "n1", "paused", False, 1.0, 1, 2, ("CPU",), "0.9", reason="95 C")
+    sent = replace(beat, reason_kind=PauseReason.HEAT.value)
+    assert decode(encode(sent))[0] == sent
+    old = {k: v for k, v in sent.header().items() if k != "reason_kind"}  # an agent from before the field
+    assert Beat.parse(old) == beat and Beat.parse(old).reason_kind is None
+    with pytest.raises(ProtocolError, match="reason_kind"):
+        Beat.parse({**sent.header(), "reason_kind": 3})
