@@ -64,7 +64,7 @@ def test_the_tray_creates_joins_invites_and_revokes(
 
         # Create: h holds the new cluster's CA and runs as a member
         th.action("Create a new cluster…").trigger()  # type: ignore[union-attr]
-        run(qloop, until("h a member", lambda: (th.node or {}).get("holds_ca")))
+        run(qloop, until("h a member", lambda: th.node is not None and th.node.holds_ca))
         assert asked == ["Create a new cluster"]
         assert any("holds its CA and is its first member" in n.text for n in th.shown), th.shown
         th.build_menu()
