@@ -1,7 +1,9 @@
 """What the tray shows, as pure functions of what the local agent and the coordinator say.
 
 ``tray_state`` picks the icon, ``status_line`` the menu's first line, ``notices`` the
-notifications worth a user's attention. No Qt here: table tests cover every case.
+notifications worth a user's attention. They read the agent's typed ``/v1/node``
+(:class:`NodeStatus`): why it is paused comes from its ``reason_kind``, and only from the words of
+its ``reason`` for an agent too old to send one. No Qt here: table tests cover every case.
 """
 
 from __future__ import annotations
@@ -9,9 +11,9 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from agent.protocol.events import CoordinatorLost, Event, Failover, Snapshot
+from agent.protocol.status import NO_CLUSTER, NodeStatus, PauseReason
 
 
 class TrayState(enum.StrEnum):
@@ -36,22 +38,26 @@ TOOLTIPS = {
     TrayState.NO_CLUSTER: "no cluster",
 }
 
-NO_CLUSTER = "no_cluster"  # /v1/node's state while the agent waits for 'cluster init' or 'join'
-HEAT_OR_BATTERY = ("heat", "hot", "temperature", "thermal", "battery", "power")
+HEAT_OR_BATTERY = ("heat", "hot", "temperature", "thermal", "battery", "power")  # an older agent's words
+USER = "user"  # an older agent's reason for its user's own pause
 
 
-def waiting_for_cluster(node: dict[str, Any] | None) -> bool:
+def waiting_for_cluster(node: NodeStatus | None) -> bool:
     """Whether the agent is in no cluster yet (the menu then offers to make or join one)."""
-    return node is not None and node.get("state") == NO_CLUSTER
+    return node is not None and node.state == NO_CLUSTER
 
 
-def holds_ca(node: dict[str, Any] | None) -> bool:
+def holds_ca(node: NodeStatus | None) -> bool:
     """Whether this laptop holds its cluster's CA (it can invite laptops and revoke them)."""
-    return node is not None and node.get("state") != NO_CLUSTER and bool(node.get("holds_ca"))
+    return node is not None and node.state != NO_CLUSTER and node.holds_ca
 
 
-def reason_kind(reason: str | None) -> str:
-    """'heat' for heat or battery reasons, 'user' for everything else a user causes, '' for none."""
+def reason_kind(reason: str | None, kind: PauseReason | None = None) -> str:
+    """'heat' for heat or battery reasons, 'user' for everything else a user causes, '' for none.
+
+    ``kind``: the agent's typed reason; None (an older agent) falls back to the words of ``reason``."""
+    if kind is not None:
+        return "heat" if kind.heat_or_battery else "user"
     if not reason:
         return ""
     r = reason.lower()
@@ -60,24 +66,34 @@ def reason_kind(reason: str | None) -> str:
     return "user"
 
 
-def tray_state(node: dict[str, Any] | None, error: str | None = None) -> TrayState:
+def paused_by_user(node: NodeStatus | None) -> bool:
+    """Whether its user's own switch paused it (the menu then offers to resume)."""
+    if node is None or node.state != "paused":
+        return False
+    if node.reason_kind is not None:
+        return node.reason_kind is PauseReason.SWITCH
+    return node.reason == USER
+
+
+def tray_state(node: NodeStatus | None, error: str | None = None) -> TrayState:
     """The icon for the local agent's ``/v1/node`` (None: it does not answer)."""
     if error:
         return TrayState.ERROR
     if node is None:
         return TrayState.NO_CLUSTER
-    state = node.get("state")
+    state = node.state
     if state == NO_CLUSTER:
         return TrayState.NO_CLUSTER
     if state == "paused":
-        return TrayState.PAUSED_HEAT if reason_kind(node.get("reason")) == "heat" else TrayState.PAUSED_USER
+        heat = reason_kind(node.reason, node.reason_kind) == "heat"
+        return TrayState.PAUSED_HEAT if heat else TrayState.PAUSED_USER
     if state == "limited":
         return TrayState.LIMITED
-    if not node.get("coordinator"):
+    if not node.coordinator:
         return TrayState.NO_CLUSTER
-    if (node.get("tok_s") or 0) > 0 and (node.get("stage") or {}).get("assigned"):
+    if node.tok_s > 0 and node.stage.assigned:
         return TrayState.SERVING
-    if node.get("role") == "coordinator":
+    if node.role == "coordinator":
         return TrayState.COORDINATOR
     return TrayState.AVAILABLE
 
@@ -88,7 +104,7 @@ def _until(ts: float | None, now: float) -> str:
     return " until " + time.strftime("%H:%M", time.localtime(ts)) if ts > now else ""
 
 
-def status_line(node: dict[str, Any] | None, error: str | None = None, now: float | None = None) -> str:
+def status_line(node: NodeStatus | None, error: str | None = None, now: float | None = None) -> str:
     """The menu's first line: 'serving layers 12-23 of qwen2.5-coder-1.5b, 3 peers'."""
     now = time.time() if now is None else now
     if error:
@@ -96,23 +112,22 @@ def status_line(node: dict[str, Any] | None, error: str | None = None, now: floa
     if node is None:
         return "starting the agent…"
     if waiting_for_cluster(node):
-        failed = f" (last try: {node['error']})" if node.get("error") else ""
+        failed = f" (last try: {node.error})" if node.error else ""
         return f"not in a cluster yet: create one or join one{failed}"
-    peers = int(node.get("peers") or 0)
-    peer_text = f"{peers} peer" + ("" if peers == 1 else "s")
-    state, reason = node.get("state"), node.get("reason")
+    peer_text = f"{node.peers} peer" + ("" if node.peers == 1 else "s")
+    state, reason = node.state, node.reason
     if state == "paused":
-        if reason == "user":
-            return f"paused{_until(node.get('paused_until'), now)}, {peer_text}"
+        if paused_by_user(node):
+            return f"paused{_until(node.paused_until, now)}, {peer_text}"
         return f"paused: {reason or 'unknown reason'}, {peer_text}"
-    st = node.get("stage") or {}
+    st = node.stage
     prefix = "limited" + (f" ({reason})" if reason else "") + ", " if state == "limited" else ""
-    role = "coordinator, " if node.get("role") == "coordinator" else ""
-    if st.get("assigned") and st.get("layers"):
-        a, b = st["layers"]
-        model = st.get("model") or "the model"
+    role = "coordinator, " if node.role == "coordinator" else ""
+    if st.assigned and st.layers:
+        a, b = st.layers
+        model = st.model or "the model"
         return f"{prefix}{role}serving layers {a}-{b - 1} of {model}, {peer_text}"
-    if not node.get("coordinator"):
+    if not node.coordinator:
         return f"{prefix}no cluster yet (looking for peers), {peer_text}"
     return f"{prefix}{role}idle, {peer_text}"
 
@@ -123,19 +138,19 @@ class Notice:
     text: str
 
 
-def notices(before: dict[str, Any] | None, after: dict[str, Any] | None) -> list[Notice]:
+def notices(before: NodeStatus | None, after: NodeStatus | None) -> list[Notice]:
     """What changed on this laptop that its user should hear about."""
     if before is None or after is None:
         return []
     out = []
-    was, now = (before.get("state"), before.get("reason")), (after.get("state"), after.get("reason"))
+    was, now = (before.state, before.reason), (after.state, after.reason)
     # heat and battery are news; the user's own activity or switch is not (they know)
-    if now != was and now[0] in ("paused", "limited") and reason_kind(now[1]) == "heat":
+    if now != was and now[0] in ("paused", "limited") and reason_kind(after.reason, after.reason_kind) == "heat":
         kind = "paused" if now[0] == "paused" else "is contributing less"
         verb = "was paused" if now[0] == "paused" else kind
         why = now[1]
         out.append(Notice("lakeshard", f"This laptop {verb}: {why}. Its work moved to other laptops."))
-    if was[0] == "paused" and now[0] == "available" and reason_kind(was[1]) == "heat":
+    if was[0] == "paused" and now[0] == "available" and reason_kind(before.reason, before.reason_kind) == "heat":
         out.append(Notice("lakeshard", "This laptop contributes again."))
     return out
 

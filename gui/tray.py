@@ -23,7 +23,9 @@ from PySide6.QtGui import QAction, QDesktopServices
 from PySide6.QtWidgets import QMenu, QMessageBox, QSystemTrayIcon
 
 from agent.protocol.cluster_view import ClusterView
+from agent.protocol.codec import ProtocolError
 from agent.protocol.events import Event, Snapshot, apply_event
+from agent.protocol.status import NodeStatus
 from gui.agent_process import AgentProcess, log_folder
 from gui.client import ApiError, Client, Unreachable
 from gui.icons import app_icon, state_icon
@@ -34,6 +36,7 @@ from gui.state import (
     cluster_notices,
     holds_ca,
     notices,
+    paused_by_user,
     status_line,
     tray_state,
     waiting_for_cluster,
@@ -44,7 +47,7 @@ HOUR_S = 3600.0
 
 
 class TrayApp(QObject):
-    node_changed = Signal(object)  # the local agent's /v1/node (dict), or None
+    node_changed = Signal(object)  # the local agent's /v1/node (NodeStatus), or None
     cluster_event = Signal(object)  # (Event, ClusterView | None) from the coordinator's stream
     notified = Signal(str, str)
 
@@ -63,7 +66,7 @@ class TrayApp(QObject):
         self.poll_s = poll_s
         self.on_quit = on_quit
         self.confirm = confirm or _ask  # yes/no questions (tests answer them)
-        self.node: dict[str, Any] | None = None
+        self.node: NodeStatus | None = None
         self.error: str | None = None
         self.view: ClusterView | None = None
         self.last_coordinator: str | None = None
@@ -129,7 +132,7 @@ class TrayApp(QObject):
             self._set(None, self.agent.failure())
             return
         try:
-            node = await self.client.node()
+            answer = await self.client.node()
         except Unreachable as e:
             if self.agent is not None and not self.agent.started_here:
                 ok = await self.agent.async_ensure(timeout=2.0)  # the agent we attached to went away
@@ -137,9 +140,18 @@ class TrayApp(QObject):
             else:
                 self._set(None, str(e) if self.node is not None else None)
             return
+        self._read(answer)
+
+    def _read(self, answer: dict[str, Any]) -> None:
+        """Show the agent's ``/v1/node``; one that does not read (a bad field) is an error the user sees."""
+        try:
+            node = NodeStatus.parse(answer)
+        except ProtocolError as e:
+            self._set(None, f"the agent's status does not read: {e}")
+            return
         self._set(node, None)
 
-    def _set(self, node: dict[str, Any] | None, error: str | None) -> None:
+    def _set(self, node: NodeStatus | None, error: str | None) -> None:
         for n in notices(self.node, node):
             self.notify(n)
         self.node, self.error = node, error
@@ -197,8 +209,7 @@ class TrayApp(QObject):
         if holds_ca(self.node):
             self._add(m, "Invite a laptop…", self.show_invite)
         m.addSeparator()
-        paused = (self.node or {}).get("state") == "paused" and (self.node or {}).get("reason") == "user"
-        if paused:
+        if paused_by_user(self.node):
             self._add(m, "Resume contributing", lambda: self._run(self.async_resume()))
         else:
             sub = m.addMenu("Pause contributing")
@@ -243,13 +254,13 @@ class TrayApp(QObject):
     # -- actions ----------------------------------------------------------------------------------
     async def async_pause(self, for_s: float | None) -> None:
         try:
-            self._set(await self.client.set_state("paused", for_s), None)
+            self._read(await self.client.set_state("paused", for_s))
         except Unreachable as e:
             self._set(self.node, str(e))
 
     async def async_resume(self) -> None:
         try:
-            self._set(await self.client.set_state("available"), None)
+            self._read(await self.client.set_state("available"))
         except Unreachable as e:
             self._set(self.node, str(e))
 
@@ -314,7 +325,7 @@ class TrayApp(QObject):
         if self.map is None:
             self.map = NodeMapWindow(
                 self.client,
-                me=lambda: (self.node or {}).get("node"),
+                me=lambda: self.node.node if self.node else None,
                 holds_ca=lambda: holds_ca(self.node),
                 confirm=lambda title, text: self.confirm(title, text),
             )
@@ -338,7 +349,7 @@ class TrayApp(QObject):
         return True
 
     def open_logs(self) -> None:
-        folder = (self.node or {}).get("log_dir") or str(log_folder())
+        folder = (self.node.log_dir if self.node else None) or str(log_folder())
         QDesktopServices.openUrl(QUrl.fromLocalFile(folder))
 
     def show_about(self) -> None:
@@ -348,13 +359,13 @@ class TrayApp(QObject):
             __version__ = version("lakeshard")
         except PackageNotFoundError:
             __version__ = "(development)"
-        n = self.node or {}
+        n = self.node
         QMessageBox.about(
             None,
             "About lakeshard",
             f"<b>lakeshard {__version__}</b><br>Pools the idle laptops of an office into one LLM.<br><br>"
-            f"This laptop: {n.get('name') or '-'} (node {n.get('node') or '-'})<br>"
-            f"Cluster: {n.get('cluster') or '-'}<br>Logs: {n.get('log_dir') or log_folder()}",
+            f"This laptop: {(n and n.name) or '-'} (node {(n and n.node) or '-'})<br>"
+            f"Cluster: {(n and n.cluster) or '-'}<br>Logs: {(n and n.log_dir) or log_folder()}",
         )
 
     def quit(self) -> None:

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agent.cli.args import Commands, port, positive_int
+from agent.protocol.codec import ProtocolError
+from agent.protocol.status import ClusterStatus, NodeStatus
 
 if TYPE_CHECKING:
     from agent.protocol.cluster_view import Preparation
@@ -159,67 +161,71 @@ def run_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"node": node, "cluster": cluster}, indent=2))
         return 0
-    print(format_status(node, cluster))
+    try:
+        print(format_status(NodeStatus.parse(node), ClusterStatus.parse(cluster)))
+    except ProtocolError as e:
+        raise AgentCliError(f"the agent's status does not read ({e}); is it another version of lakeshard?") from None
     return 0
 
 
-def format_status(node: dict[str, Any], cluster: dict[str, Any]) -> str:
-    if node.get("state") == "no_cluster":
-        return f"node {node['node']}: {node.get('hint') or 'not in a cluster'}" + (
-            f"\nlast start as a member failed: {node['error']}" if node.get("error") else ""
+def format_status(node: NodeStatus, cluster: ClusterStatus) -> str:
+    """``lakeshard status`` in words: this node's line, then a table of it and its peers."""
+    if node.state == "no_cluster":
+        return f"node {node.node}: {node.hint or 'not in a cluster'}" + (
+            f"\nlast start as a member failed: {node.error}" if node.error else ""
         )
-    coord = cluster.get("coordinator") or "none (election in progress)"
+    coord = cluster.coordinator or "none (election in progress)"
     lines = [
-        f"node {node['node']} in cluster {node['cluster']}: {node['role']}, {node['state']}; "
-        f"term {cluster.get('term', 0)}, coordinator {coord}",
+        f"node {node.node} in cluster {node.cluster}: {node.role}, {node.state}; "
+        f"term {cluster.term}, coordinator {coord}",
     ]
-    if node.get("role") == "standalone":
+    if node.role == "standalone":
         lines.append("standalone: no discovery or election")
-    traffic = cluster.get("election_traffic") or {}
-    if node.get("links"):
+    traffic = cluster.details.get("election_traffic") or {}
+    if node.links:
         signed = {"signed": ", election datagrams signed", "plaintext": ", election datagrams unsigned"}
-        lines.append(f"links to other nodes: {node['links']}" + signed.get(traffic.get("mode", ""), ""))
-    why = cluster.get("not_eligible_because")
+        lines.append(f"links to other nodes: {node.links}" + signed.get(traffic.get("mode", ""), ""))
+    why = cluster.not_eligible_because
     if why:
         lines.append(f"this node does not stand for coordinator: {why}")
-    m = cluster.get("model")
+    m = cluster.details.get("model")
     if m:  # what it serves when elected: its override, else the cluster's model setting
         lines.append(f"serves when elected: {m['model']}: {m['why']}" if m.get("model") else f"serves: {m['why']}")
     head = ("NODE", "ADDRESS", "ROLE", "TERM", "STATE", "STANDS", "SPEED", "FREE MEM", "DEVICES", "HEARD")
     rows = [
         (
-            f"{node['node']} (this)",
-            f"*:{node['port']}",
-            node["role"],
-            str(cluster.get("term", 0)),
-            node["state"] + (f" ({node['reason']})" if node.get("reason") else ""),
-            "yes" if cluster.get("eligible") else "no",
-            f"{node['speed_score']:.0f}",
-            _gb(node["mem_free"]),
-            ",".join(node["devices"]),
+            f"{node.node} (this)",
+            f"*:{node.port}",
+            node.role,
+            str(cluster.term),
+            node.state + (f" ({node.reason})" if node.reason else ""),
+            "yes" if cluster.eligible else "no",
+            f"{node.speed_score:.0f}",
+            _gb(node.mem_free),
+            ",".join(node.devices),
             "-",
         )
     ]
-    for p in cluster.get("peers", []):
-        heard = p["last_heard_s"]
+    for p in cluster.peers:
+        heard = p.last_heard_s
         rows.append(
             (
-                p["node"],
-                p["address"],
-                (p["role"] or "?") if p["alive"] else "gone",
-                str(p["term"] if p["term"] is not None else "-"),
-                (p["state"] or "-") + (f" ({p['reason']})" if p.get("reason") else ""),
-                {True: "yes", False: "no", None: "-"}[p["eligible"]],
-                "-" if p["score"] is None else f"{p['score']:.0f}",
-                _gb(p["mem_free"]),
-                ",".join(p["devices"]) or "-",
+                p.node,
+                p.address,
+                (p.role or "?") if p.alive else "gone",
+                str(p.term if p.term is not None else "-"),
+                (p.state or "-") + (f" ({p.reason})" if p.reason else ""),
+                {True: "yes", False: "no", None: "-"}[p.eligible],
+                "-" if p.score is None else f"{p.score:.0f}",
+                _gb(p.mem_free),
+                ",".join(p.devices) or "-",
                 "never" if heard is None else f"{heard:.1f}s ago",
             )
         )
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     for r in [head, *rows]:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
-    sv = cluster.get("services")
+    sv = cluster.details.get("services")
     if sv:
         api = ""
         if sv["api"]:
@@ -235,7 +241,7 @@ def format_status(node: dict[str, Any], cluster: dict[str, Any]) -> str:
             lines.append(f"  error: {sv['error']}")
         for r in sv["recoveries"]:
             lines.append(f"  recovered from losing {r['lost']} in {r['seconds']}s (term {r['term']})")
-    hist = cluster.get("history", [])
+    hist = cluster.details.get("history") or []
     if hist:
         last = hist[-1]
         lines.append(f"coordinator since {time.strftime('%H:%M:%S', time.localtime(last['at']))} (term {last['term']})")

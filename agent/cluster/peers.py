@@ -27,7 +27,8 @@ class LocalNode:
     score: float = 0.0
     devices: tuple[str, ...] = ("CPU",)
     name: str | None = None  # host name, for node maps
-    reason: str | None = None  # why it is limited or paused
+    reason: str | None = None  # why it is limited or paused, in words
+    reason_kind: str | None = None  # the same as a PauseReason value (agent.protocol.status), for programs
     temp_c: float | None = None
     tok_s: float = 0.0
     next_rtt_ms: float | None = None
@@ -64,6 +65,7 @@ class LocalNode:
             followers=followers,
             name=self.name,
             reason=self.reason,
+            reason_kind=self.reason_kind,
             temp_c=self.temp_c,
             tok_s=self.tok_s,
             next_rtt_ms=self.next_rtt_ms,
@@ -117,5 +119,6 @@ class Peer:
             "version": b.version if b else None,
             "name": b.name if b else None,
             "reason": b.reason if b else None,
+            "reason_kind": b.reason_kind if b else None,
             "rtt_ms": None if self.rtt_ms is None else round(self.rtt_ms, 2),
         }

@@ -34,13 +34,14 @@ from agent.common.config import Settings
 from agent.common.paths import agent_state_dir, log_dir
 from agent.node.daemon import LIVE_KEYS, RESTART_KEYS, AgentDaemon, DaemonOptions, _started
 from agent.node.shutdown import HARD_EXIT_S, SHUTDOWN_S, bounded, exit_after, exit_now
+from agent.protocol.status import NO_CLUSTER, ClusterStatus, NodeStatus
 from agent.security import files
 from agent.security.errors import SecurityError
 from agent.security.local_routes import Identity, add_cluster_api
 from agent.security.transport import NO_CLUSTER_HINT
 
 log = logging.getLogger(__name__)
-NO_CLUSTER = "no_cluster"
+
 POLL_S = 1.0  # how often a waiting agent looks for credentials
 LOCAL_API_STOP_S = 0.2  # on shutdown, after the daemon's steps (agent.node.shutdown.SHUTDOWN_S in all)
 
@@ -167,43 +168,24 @@ class LocalAgent:
         if d is not None:
             creds = d.transport.creds
             return {**d.node_status(), "holds_ca": bool(creds and creds.holds_ca)}
-        return {
-            "node": self.node,
-            "name": self.settings.name or socket.gethostname()[:64] or None,
-            "cluster": None,
-            "version": __version__,
-            "state": NO_CLUSTER,
-            "reason": None,
-            "hint": NO_CLUSTER_HINT,
-            "error": self.error,
-            "role": NO_CLUSTER,
-            "term": 0,
-            "coordinator": None,
-            "port": None,
-            "api_port": self.api_port,
-            "mdns": False,
-            "peers": 0,
-            "tok_s": 0.0,
-            "paused_until": None,
-            "stage": {"assigned": False},
-            "links": None,
-            "holds_ca": False,
-            "log_dir": str(log_dir()),
-            "config_file": str(self.config_path) if self.config_path else None,
-            "started": self.started,
-        }
+        return NodeStatus(
+            node=self.node,
+            name=self.settings.name or socket.gethostname()[:64] or None,
+            version=__version__,
+            state=NO_CLUSTER,
+            role=NO_CLUSTER,
+            hint=NO_CLUSTER_HINT,
+            error=self.error,
+            api_port=self.api_port,
+            log_dir=str(log_dir()),
+            config_file=str(self.config_path) if self.config_path else None,
+            started=self.started,
+        ).to_json()
 
     def cluster_status(self) -> dict[str, Any]:
         if self.daemon is not None:
             return self.daemon.cluster_status()
-        return {
-            "node": self.node,
-            "role": NO_CLUSTER,
-            "peers": [],
-            "coordinator": None,
-            "term": 0,
-            "hint": NO_CLUSTER_HINT,
-        }
+        return ClusterStatus(node=self.node, role=NO_CLUSTER, hint=NO_CLUSTER_HINT).to_json()
 
     def model_settings(self) -> SettingsGossip | None:
         return self.daemon.model_settings() if self.daemon is not None else None

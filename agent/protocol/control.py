@@ -179,6 +179,7 @@ class Beat(Message):
     # what node maps show (optional: older agents leave them out)
     name: str | None = None  # the machine's host name
     reason: str | None = None  # why it is limited or paused
+    reason_kind: str | None = None  # the same for programs: a PauseReason value (older agents leave it out)
     temp_c: float | None = None
     tok_s: float = 0.0  # positions its stage computed per second, lately
     next_rtt_ms: float | None = None  # round trip from its stage to the next agent of the ring
@@ -225,6 +226,7 @@ class Beat(Message):
             followers=int_field(h.get("followers", 0), "followers", 0, 1 << 16),
             name=opt_str_field(h.get("name"), "name", 128),
             reason=opt_str_field(h.get("reason"), "reason", 200),
+            reason_kind=opt_str_field(h.get("reason_kind"), "reason_kind", 32),
             temp_c=None if h.get("temp_c") is None else float_field(h.get("temp_c"), "temp_c", -100.0, 300.0),
             tok_s=float_field(h.get("tok_s", 0.0), "tok_s", 0.0, 1e7),
             next_rtt_ms=None if h.get("next_rtt_ms") is None else float_field(h["next_rtt_ms"], "next_rtt_ms", 0, 1e6),

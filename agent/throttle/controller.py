@@ -26,6 +26,7 @@ from typing import Any
 
 import psutil
 
+from agent.protocol.status import PauseReason
 from agent.throttle.policy import AVAILABLE, LIMITED, PAUSED, RANK, Clock, Decision, ThrottleSettings, decide
 from agent.throttle.probes import Probes
 from agent.throttle.readings import Readings
@@ -95,23 +96,25 @@ class Contribution:
             self.decision = d
 
     # -- the outcome -----------------------------------------------------------------------------
-    def effective(self) -> tuple[str, str | None]:
+    def effective(self) -> tuple[str, str | None, PauseReason | None]:
+        """The state, its reason in words and its kind: the stricter of the switch and the policy."""
         auto = self.decision if self.enabled else None
-        options: list[tuple[str, str | None]] = [(AVAILABLE, None)]
+        options: list[tuple[str, str | None, PauseReason | None]] = [(AVAILABLE, None, None)]
         if self.manual is not None:
-            options.append((self.manual, USER))
+            options.append((self.manual, USER, PauseReason.SWITCH))
         if auto is not None and auto.state != AVAILABLE:
-            options.append((auto.state, auto.reason))
+            options.append((auto.state, auto.reason, PauseReason.from_cause(auto.cause) or PauseReason.OTHER))
         return max(options, key=lambda o: RANK[o[0]])  # the stricter; the user's on a tie
 
     def apply(self) -> None:
-        state, reason = self.effective()
+        state, reason, kind = self.effective()
         if (state, reason) == self._applied:
             return
         log.info("contribution %s -> %s%s", self._applied[0], state, f" ({reason})" if reason else "")
         self._applied = (state, reason)
         self.changes += 1
         self.me.state, self.me.reason = state, reason
+        self.me.reason_kind = None if kind is None else kind.value  # beats and /v1/node carry it
         share = self.settings().limited_share
         # the stage's own method: it refuses steps while paused, rests and uses fewer threads while limited
         self.stage((reason or "paused") if state == PAUSED else None, share if state == LIMITED else None)
@@ -147,7 +150,7 @@ class Contribution:
         d = self.decision
         return {
             "enabled": self.enabled,
-            "policy": None if d is None else {"state": d.state, "reason": d.reason, "since": d.since},
+            "policy": None if d is None else {"state": d.state, "reason": d.reason, "cause": d.cause, "since": d.since},
             "manual": self.manual,
             "manual_until": self.manual_until,
             "readings": None if self.readings is None else self.readings.brief(),

@@ -15,6 +15,7 @@ from agent.cluster.offers import NodeOffer
 from agent.common.config import Settings
 from agent.node.daemon import DaemonOptions, running
 from agent.protocol import Assign, Beat, DeviceOffer, Error, decode, encode
+from agent.protocol.status import ClusterStatus, NodeStatus, PauseReason
 
 
 async def _until_coordinator(http: aiohttp.ClientSession, api: str, timeout: float = 15.0) -> dict[str, object]:
@@ -45,7 +46,9 @@ async def test_status_api_pause_switch_and_fencing(isolated_home: Path) -> None:
             async with http.post(f"{api}/v1/node/state", data=body) as r:
                 assert r.status == 400 and "state" in (await r.json())["error"]["message"]
         async with http.post(f"{api}/v1/node/state", json={"state": "paused"}) as r:
-            assert r.status == 200 and (await r.json())["state"] == "paused"
+            paused = NodeStatus.parse(await r.json())  # the typed answer reads back
+            assert r.status == 200 and paused.state == "paused"
+            assert paused.reason == "user" and paused.reason_kind is PauseReason.SWITCH  # the user's own switch
         for _ in range(100):
             async with http.get(f"{api}/v1/cluster") as r:
                 cluster = await r.json()
@@ -53,6 +56,7 @@ async def test_status_api_pause_switch_and_fencing(isolated_home: Path) -> None:
                 break
             await asyncio.sleep(0.1)
         assert cluster["role"] == "follower" and cluster["not_eligible_because"] == "paused"
+        assert ClusterStatus.parse(cluster).reason_kind is PauseReason.SWITCH
 
         # an assignment from a term older than the election's is refused on the data plane
         assign = Assign(

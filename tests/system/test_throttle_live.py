@@ -71,6 +71,7 @@ def test_input_pauses_the_agent_within_a_second_and_idling_brings_it_back(tmp_pa
                 paused = wait_for("paused", lambda: (n := _try(url)) and n["state"] == "paused" and n, 5, 0.02)
                 stops.append(time.monotonic() - t0)
                 assert paused["reason"] == "user active" and paused["throttle"]["readings"]["idle_s"] < 2
+                assert paused["reason_kind"] == "input"  # the typed kind: its user, not the machine
                 wait_for("available again", lambda: (n := _try(url)) and n["state"] == "available", 15, 0.05)
                 backs.append(time.monotonic() - t0)
             assert max(stops) < 1.0, stops
@@ -167,6 +168,7 @@ def test_a_stage_node_paused_by_its_user_or_by_heat_hands_its_work_back_without_
                     "the pause", lambda: (n := _get(f"{victim}/v1/node"))["state"] == "paused" and n, 5, 0.02
                 )
                 assert paused["reason"] == ("user active" if how == "input" else "95 C")
+                assert paused["reason_kind"] == ("input" if how == "input" else "heat")
                 t.join(600)
                 text = "".join(p for _, p in pieces)
                 assert text == reference, how

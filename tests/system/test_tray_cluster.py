@@ -266,25 +266,25 @@ def test_the_tray_menu_pauses_and_resumes_this_laptop(qloop: asyncio.AbstractEve
         assert pause is not None and tray.action("Resume contributing") is None
         t0 = time.time()
         pause.trigger()
-        run(qloop, until("paused", lambda: (tray.node or {}).get("state") == "paused", 10))
-        assert tray.node is not None and abs(tray.node["paused_until"] - (t0 + 3600)) < 30
+        run(qloop, until("paused", lambda: tray.node is not None and tray.node.state == "paused", 10))
+        assert tray.node is not None and abs((tray.node.paused_until or 0) - (t0 + 3600)) < 30
         assert tray.state.value == "paused-user"
         tray.build_menu()
         assert tray.menu.actions()[0].text().startswith("paused until ")
         resume = tray.action("Resume contributing")
         assert resume is not None and tray.action("For 1 hour") is None
         resume.trigger()
-        run(qloop, until("available", lambda: (tray.node or {}).get("state") == "available", 10))
+        run(qloop, until("available", lambda: tray.node is not None and tray.node.state == "available", 10))
         tray.build_menu()
         until_resumed = tray.action("Until I resume")
         assert until_resumed is not None
         until_resumed.trigger()
-        run(qloop, until("paused", lambda: (tray.node or {}).get("state") == "paused", 10))
-        assert tray.node is not None and tray.node["paused_until"] is None
+        run(qloop, until("paused", lambda: tray.node is not None and tray.node.state == "paused", 10))
+        assert tray.node is not None and tray.node.paused_until is None
         assert _get(f"{_api(c.api_ports[0])}/v1/node")["state"] == "paused"  # the agent itself, not only the icon
         tray.build_menu()
         tray.action("Resume contributing").trigger()  # type: ignore[union-attr]
-        run(qloop, until("available", lambda: (tray.node or {}).get("state") == "available", 10))
+        run(qloop, until("available", lambda: tray.node is not None and tray.node.state == "available", 10))
         tray.build_menu()
         tray.action("Quit").trigger()  # type: ignore[union-attr]
         assert quits == [True]

@@ -64,7 +64,7 @@ def test_the_tray_creates_joins_invites_and_revokes(
 
         # Create: h holds the new cluster's CA and runs as a member
         th.action("Create a new cluster…").trigger()  # type: ignore[union-attr]
-        run(qloop, until("h a member", lambda: (th.node or {}).get("holds_ca")))
+        run(qloop, until("h a member", lambda: th.node is not None and th.node.holds_ca))
         assert asked == ["Create a new cluster"]
         assert any("holds its CA and is its first member" in n.text for n in th.shown), th.shown
         th.build_menu()
@@ -101,11 +101,11 @@ def test_the_tray_creates_joins_invites_and_revokes(
         report(f"tray join: a member state {took:.1f} s after Join (token checked over TLS, certificate issued)")
         tj.build_menu()
         assert tj.action("Join a cluster…") is None and tj.action("Invite a laptop…") is None  # not the CA holder
-        assert tj.node is not None and tj.node["links"] == "TLS" and tj.node["api_port"] == j.api
+        assert tj.node is not None and tj.node.links == "TLS" and tj.node.api_port == j.api
         assert j.proc.poll() is None and len([x for x in j.lines if "not in a cluster" in x]) == 1
 
         # the node map on the CA holder revokes the other laptop (after a confirmation)
-        hn, jn = th.node["node"], tj.node["node"]  # type: ignore[index]
+        hn, jn = th.node.node, tj.node.node  # type: ignore[union-attr]
         th.show_map()
         m = th.map
         run(qloop, until("both nodes on the map", lambda: m.view is not None and len(m.view.nodes) == 2, 30))

@@ -13,6 +13,7 @@ import pytest
 
 from agent.protocol.cluster_view import ClusterView, NodeInfo
 from agent.protocol.events import CoordinatorLost, Failover, Snapshot
+from agent.protocol.status import NodeStatus, PauseReason
 from gui import autostart
 from gui.chat.markdown import render
 from gui.chat.store import Store
@@ -32,8 +33,9 @@ NODE = {
 }
 
 
-def _n(**kw: object) -> dict[str, object]:
-    return {**NODE, **kw}
+def _n(**kw: object) -> NodeStatus:
+    """The agent's /v1/node with these fields, read as the tray reads it."""
+    return NodeStatus.parse({**NODE, **kw})
 
 
 @pytest.mark.parametrize(
@@ -59,9 +61,7 @@ def _n(**kw: object) -> dict[str, object]:
         (_n(state="no_cluster", coordinator=None, role="no_cluster"), None, TrayState.NO_CLUSTER),  # no credentials
     ],
 )
-def test_the_icon_says_the_state_at_a_glance(
-    node: dict[str, object] | None, error: str | None, state: TrayState
-) -> None:
+def test_the_icon_says_the_state_at_a_glance(node: NodeStatus | None, error: str | None, state: TrayState) -> None:
     assert tray_state(node, error) is state
 
 
@@ -69,8 +69,53 @@ def test_the_icon_says_the_state_at_a_glance(
     ("reason", "kind"),
     [(None, ""), ("user", "user"), ("user active 4 s ago", "user"), ("92 C", "heat"), ("on battery", "heat")],
 )
-def test_reasons_sort_into_user_and_heat_or_battery(reason: str | None, kind: str) -> None:
+def test_an_older_agents_reasons_sort_into_user_and_heat_or_battery_by_their_words(
+    reason: str | None, kind: str
+) -> None:
     assert reason_kind(reason) == kind
+
+
+@pytest.mark.parametrize(
+    ("state", "reason", "kind", "icon"),
+    [
+        ("paused", "92 C", "heat", TrayState.PAUSED_HEAT),
+        ("paused", "on battery", "battery", TrayState.PAUSED_HEAT),
+        ("paused", "Akku bei 18%", "battery", TrayState.PAUSED_HEAT),  # words the old guess misses
+        ("paused", "user active", "input", TrayState.PAUSED_USER),
+        ("paused", "user", "switch", TrayState.PAUSED_USER),
+        ("paused", "lid closed", "lid", TrayState.PAUSED_USER),
+        ("paused", "outside the hours set for contributing", "schedule", TrayState.PAUSED_USER),
+        ("paused", "power saving mode", "switch", TrayState.PAUSED_USER),  # words the old guess takes for heat
+        ("paused", "cooling down", "a-kind-from-a-newer-agent", TrayState.PAUSED_USER),  # other: not news
+        ("paused", "92 C", None, TrayState.PAUSED_HEAT),  # an older agent: its words decide
+        ("paused", "user active", None, TrayState.PAUSED_USER),
+        ("limited", "other programs use 70% CPU", "load", TrayState.LIMITED),
+        ("limited", "other programs use 60% of the GPU", "gpu", TrayState.LIMITED),
+    ],
+)
+def test_the_paused_icon_follows_the_agents_reason_kind(
+    state: str, reason: str, kind: str | None, icon: TrayState
+) -> None:
+    assert tray_state(_n(state=state, reason=reason, reason_kind=kind)) is icon
+
+
+def test_the_menu_offers_resume_only_for_the_users_own_pause() -> None:
+    from gui.state import paused_by_user
+
+    assert paused_by_user(_n(state="paused", reason="user", reason_kind="switch"))
+    assert paused_by_user(_n(state="paused", reason="user"))  # an older agent
+    assert not paused_by_user(_n(state="paused", reason="user active", reason_kind="input"))
+    assert not paused_by_user(_n(state="paused", reason="user", reason_kind="heat"))  # the kind decides
+    assert not paused_by_user(_n()) and not paused_by_user(None)
+
+
+def test_heat_news_follows_the_kind_not_the_words() -> None:
+    battery = _n(state="paused", reason="Akku bei 18%", reason_kind="battery")
+    assert [n.text for n in notices(_n(), battery)] == [
+        "This laptop was paused: Akku bei 18%. Its work moved to other laptops."
+    ]
+    assert notices(_n(), _n(state="paused", reason="power saving mode", reason_kind="switch")) == []
+    assert NodeStatus.parse({**NODE, "reason_kind": "heat"}).reason_kind is PauseReason.HEAT
 
 
 def test_every_state_has_its_own_icon_that_renders_at_16_px(qapp) -> None:  # type: ignore[no-untyped-def]
@@ -111,7 +156,7 @@ def test_every_state_has_its_own_icon_that_renders_at_16_px(qapp) -> None:  # ty
         ),
     ],
 )
-def test_the_status_line(node: dict[str, object] | None, line: str) -> None:
+def test_the_status_line(node: NodeStatus | None, line: str) -> None:
     assert status_line(node) == line
 
 
@@ -150,9 +195,7 @@ def test_a_timed_pause_says_until_when() -> None:
         (_n(state="paused", reason="user active"), _n(), []),
     ],
 )
-def test_notifications_for_this_laptop(
-    before: dict[str, object] | None, after: dict[str, object] | None, texts: list[str]
-) -> None:
+def test_notifications_for_this_laptop(before: NodeStatus | None, after: NodeStatus | None, texts: list[str]) -> None:
     assert [n.text for n in notices(before, after)] == texts
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from agent.cli.agent import format_status
+from agent.protocol.status import ClusterStatus, NodeStatus
 
 NODE = {
     "node": "8e2b7ca7f8b1",
@@ -11,7 +12,7 @@ NODE = {
     "state": "available",
     "port": 7710,
     "speed_score": 24.0,
-    "mem_free": 21e9,
+    "mem_free": 21 * 10**9,
     "devices": ["CPU"],
 }
 
@@ -26,6 +27,7 @@ def test_a_coordinator_without_a_model_says_no_model_not_none() -> None:
         "error": None,
         "recoveries": [],
     }
-    text = format_status(NODE, {"term": 1, "coordinator": "8e2b7ca7f8b1", "eligible": True, "services": services})
+    cluster = {"node": NODE["node"], "role": "coordinator", "term": 1, "coordinator": "8e2b7ca7f8b1", "eligible": True}
+    text = format_status(NodeStatus.parse(NODE), ClusterStatus.parse({**cluster, "services": services}))
     assert "coordinator services: no model" in text.splitlines()
     assert "None" not in text
