@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from agent.common.paths import state_dir, write_json_atomic
+from agent.protocol import ProtocolError
+from agent.protocol.status import NodeStatus, StageStatus
 
 log = logging.getLogger(__name__)
 HEAD_LIMITS = (0.25, 64.0)  # a fit outside this says the measurement was noise
@@ -113,13 +115,17 @@ def propose(
     return Proposal(head_layers, ranges, max(s.step_ms for s in stages), predicted)
 
 
-def stage_time(status: dict[str, Any]) -> StageTime | None:
-    """A stage's layers and median step from an agent's ``/v1/node`` (standalone or daemon)."""
-    st = status.get("stage") if isinstance(status.get("stage"), dict) else status
-    if not isinstance(st, dict) or int(st.get("frames") or 0) < MIN_FRAMES:
-        return None
+def stage_time(status: Any) -> StageTime | None:
+    """A stage's layers and median step from an agent's ``/v1/node``: a daemon's
+    (:class:`~agent.protocol.status.NodeStatus`, its ``stage``) or a bare stage agent's (the
+    :class:`~agent.protocol.status.StageStatus` itself). None while it has measured too few steps,
+    serves nothing, or answers something unreadable (it is asked again later)."""
     try:
-        start, end = (int(x) for x in st["layers"])
-        return StageTime(start, end, int(st["stage"]) == int(st["stages"]) - 1, float(st["step_ms_p50"]))
-    except (KeyError, TypeError, ValueError):
+        daemon = isinstance(status, dict) and "node" in status
+        st = NodeStatus.parse(status).stage if daemon else StageStatus.parse(status)
+    except ProtocolError as e:
+        log.debug("calibration: an unreadable stage status: %s", e)
         return None
+    if st.frames < MIN_FRAMES or st.layers is None or st.stage is None or st.stages is None or st.step_ms_p50 is None:
+        return None
+    return StageTime(st.layers[0], st.layers[1], st.stage == st.stages - 1, st.step_ms_p50)

@@ -70,10 +70,19 @@ def test_a_lopsided_split_gets_a_better_one_and_a_balanced_one_stays() -> None:
     ("status", "expect"),
     [
         ({"layers": [0, 10], "stage": 0, "stages": 2, "step_ms_p50": 3.5, "frames": 40}, StageTime(0, 10, L, 3.5)),
-        ({"stage": {"layers": [10, 30], "stage": 1, "stages": 2, "step_ms_p50": 2.0, "frames": 99}}, (10, 30, H)),
+        (
+            {
+                "node": "n1",
+                "state": "available",
+                "stage": {"layers": [10, 30], "stage": 1, "stages": 2, "step_ms_p50": 2.0, "frames": 99},
+            },
+            (10, 30, H),
+        ),  # a daemon's answer
         ({"layers": [0, 10], "stage": 0, "stages": 2, "step_ms_p50": 3.5, "frames": 5}, None),  # too few steps
         ({"layers": None, "stage": None, "stages": None, "step_ms_p50": None, "frames": 0}, None),  # unassigned
-        ({"stage": None, "frames": 50}, None),  # a daemon serving nothing
+        ({"node": "n1", "state": "available", "stage": {"assigned": False}}, None),  # a daemon serving nothing
+        ({"layers": [0, 10], "stage": 3, "stages": 2, "step_ms_p50": 3.5, "frames": 40}, None),  # unreadable
+        ({"node": "n1", "state": "available", "stage": {"layers": "0-10", "frames": 40}}, None),  # unreadable
     ],
 )
 def test_stage_times_read_from_agent_status(status: dict[str, Any], expect: Any) -> None:
