@@ -103,6 +103,7 @@ class Supervisor:
                 nodes=d.node_infos,
                 cluster=s.cluster_id,
                 needed_before=lambda: d.copies.cluster_needs,
+                transport=d.transport,
             )
         )
         services.start()

@@ -69,6 +69,7 @@ class Coordinator:
             advertise_host=cfg.advertise_host,
             on_frame=self._async_on_ring_frame,
             stage_dirs=self.exports.stage_dirs,
+            transport=cfg.transport,
         )
         self.failover = Failover(self)
         self.rebalancer = Rebalancer(self)
@@ -139,7 +140,7 @@ class Coordinator:
             self._tokenizer = loop.run_in_executor(None, lambda: ChatTokenizer(d / "tokenizer", d / "config.json"))
         pipeline = self._pipeline(nodes, export, await self.exports.async_serve(export))
         try:
-            async with self.prep.assigning(pipeline, self.node_ids):
+            async with self.prep.assigning(pipeline, cfg.transport, self.node_ids):
                 await pipeline.async_start()
         except BaseException:
             await pipeline.async_close()
@@ -158,6 +159,7 @@ class Coordinator:
             export_id=export_id,
             return_url=self.listener.return_url,
             artifacts_url=self.listener.artifacts_url,
+            transport=cfg.transport,
             term=self.term,
             link_delay_ms=cfg.link_delay_ms,
             link_mbps=cfg.link_mbps,
