@@ -59,7 +59,7 @@ class Services(Protocol):
     draft: str | None
     hub: EventHub  # the cluster's event stream
 
-    def start(self) -> None: ...
+    async def async_start(self) -> None: ...  # publish the event stream; plan and serve in the background
 
     async def async_stop(self) -> None: ...
 

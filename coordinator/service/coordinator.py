@@ -86,7 +86,7 @@ class Coordinator:
             self.scheduler.recover = self.failover.async_recover
             await self.failover.async_spare_for(cfg.nodes)
         if cfg.rebalance:
-            self.rebalancer.async_start()
+            await self.rebalancer.async_start()
         if cfg.api:
             await self._async_start_api(self.scheduler)
         self.prep.ready()
@@ -120,7 +120,7 @@ class Coordinator:
             limiter=Limiter(cfg.api_limits) if cfg.api_limits.any else None,
         )
         if self._own_hub:
-            self.hub.start()
+            await self.hub.async_start()
         api_port = cfg.api_port if cfg.api_port else free_port(cfg.api_host)
         self._api = await async_serve_site(make_api_app(state), cfg.api_host, api_port)
         self.api_url = f"http://{cfg.api_host}:{api_port}"

@@ -28,7 +28,7 @@ class Rebalancer:
         self.rebalances: list[dict[str, object]] = []
         self._auto: asyncio.Task[None] | None = None
 
-    def async_start(self) -> None:
+    async def async_start(self) -> None:
         """Rebalance once, as soon as every stage has timed enough steps (in the background)."""
         self._auto = asyncio.create_task(self._async_auto())
 

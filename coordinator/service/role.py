@@ -98,10 +98,10 @@ class CoordinatorRole:
             transport=transport,
         )
 
-    def start(self) -> None:
+    async def async_start(self) -> None:
         """Publish the event stream; form and serve the pipeline when a model is set (in the
-        background: the daemon's Protocol names it ``start``)."""
-        self.hub.start()
+        background: it returns at once)."""
+        await self.hub.async_start()
         if self.model_ref:
             self._task = asyncio.create_task(self._run())
 
