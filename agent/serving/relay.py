@@ -312,10 +312,10 @@ class StageRelay:
             self.submit_end(err)
 
     async def async_close(self) -> None:
-        if self._prober is not None:
-            self._prober.cancel()
-        for t in list(self._tasks):
+        tasks = [t for t in (self._prober, *self._tasks) if t is not None]
+        for t in tasks:
             t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for link in (self.next, self.loop):
             if link is not None:
                 await link.async_close()

@@ -411,6 +411,7 @@ class Pipeline:
             await self._link.async_close()
         for t in self._watchers:
             t.cancel()
+        await asyncio.gather(*self._watchers, return_exceptions=True)
         for ws in self._control:
             with contextlib.suppress(Exception):
                 await ws.close()
