@@ -200,7 +200,7 @@ def _serve(args: argparse.Namespace) -> int:
     from agent.security.errors import SecurityError
 
     try:  # node links: mutual TLS with this node's cluster credentials; plaintext only if told
-        transport.use(transport.choose(args.insecure))
+        links = transport.choose(args.insecure)
     except NotMember as e:
         raise CliError(f"{e}; or --insecure for plaintext links (tests, benchmarks)") from None
     except SecurityError as e:
@@ -210,6 +210,7 @@ def _serve(args: argparse.Namespace) -> int:
         nodes=args.nodes,
         model=model,
         opts=_export_opts(model, args),
+        transport=links,
         split=args.split,
         api_host=args.api_host,
         api_port=args.api_port,

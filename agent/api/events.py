@@ -155,7 +155,8 @@ class EventHub:
         self.published = 0
         self._task: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
+    async def async_start(self) -> None:
+        """Read the view now, and every ``interval`` from now on (until :meth:`async_stop`)."""
         if self._task is None:
             self.refresh()
             self._task = asyncio.create_task(self._run())

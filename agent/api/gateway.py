@@ -37,8 +37,8 @@ from agent.api.resume import RESUME_HEADER, async_stream_with_resume, async_whol
 from agent.common.http import api_error
 from agent.protocol.cluster_view import MAX_EVENT_BYTES
 from agent.protocol.events import CoordinatorLost
-from agent.security import transport
 from agent.security.errors import SecurityError
+from agent.security.transport import Transport
 
 log = logging.getLogger(__name__)
 RECHECK_S = 0.25  # how often a relay looks for a (new) coordinator
@@ -61,6 +61,9 @@ class Door(Protocol):
 
     @property
     def session(self) -> aiohttp.ClientSession | None: ...
+
+    @property
+    def transport(self) -> Transport | None: ...  # how node links travel (None: not a member yet)
 
     def coordinator_target(self) -> Target | None: ...
 
@@ -109,11 +112,11 @@ async def async_forward(request: web.Request, url: str, session: aiohttp.ClientS
         return api_error(503, f"the coordinator did not answer: {e}", "no_coordinator")
 
 
-async def _not_node(address: str, node: str) -> str | None:
+async def _not_node(tr: Transport, address: str, node: str) -> str | None:
     """Why the node serving ``address`` is not ``node`` by its certificate (None: it is, or the
     links are plaintext and there is nothing to check)."""
     try:
-        seen = await transport.current().node_at(address)
+        seen = await tr.node_at(address)
     except SecurityError as e:
         return f"the coordinator at {address} is refused: {e}"
     if seen is not None and seen != node:
@@ -127,13 +130,16 @@ async def _where(door: Door, path: str, *, from_peer: bool) -> str | web.Respons
     if t is None or door.session is None:
         return _no_coordinator()
     if t.peer is not None:
-        if from_peer:  # a member asked us, but we no longer coordinate: it will find the new one
+        tr = door.transport
+        # a member asked us, but we no longer coordinate: it will find the new one (no transport:
+        # this agent is no member yet, and hears no coordinator anyway)
+        if from_peer or tr is None:
             return _no_coordinator()
-        wrong = await _not_node(t.peer, t.node)
+        wrong = await _not_node(tr, t.peer, t.node)
         if wrong is not None:
             log.warning("refused to forward %s: %s", path, wrong)
             return api_error(502, wrong, "wrong_coordinator")
-        return transport.current().url(t.peer, path)
+        return tr.url(t.peer, path)
     if t.api is None:
         return api_error(503, t.not_ready or "the coordinator has no model to serve", "not_serving")
     return f"{t.api}{path}"
@@ -225,7 +231,7 @@ async def async_relay_events(request: web.Request) -> web.WebSocketResponse:
                 last = t.node
                 if t.hub is not None:
                     await _relay_hub(ws, t.hub, door, gone)
-                elif t.peer is not None and door.session is not None:
+                elif t.peer is not None and door.session is not None and door.transport is not None:
                     await _relay_peer(ws, t, door, gone)
                 lost_said = False
             if gone.is_set() or ws.closed:
@@ -281,10 +287,10 @@ async def _relay_hub(ws: web.WebSocketResponse, hub: EventHub, door: Door, gone:
 async def _relay_peer(ws: web.WebSocketResponse, t: Target, door: Door, gone: asyncio.Event) -> None:
     """Another node coordinates: pass its stream on until it breaks or that node no longer
     coordinates (a stream from a deposed coordinator must not be taken for the cluster's)."""
-    assert t.peer is not None and door.session is not None
+    assert t.peer is not None and door.session is not None and door.transport is not None
     try:
         async with door.session.ws_connect(
-            transport.current().url(t.peer, "/v1/cluster/events"),
+            door.transport.url(t.peer, "/v1/cluster/events"),
             heartbeat=HEARTBEAT_S,
             max_msg_size=MAX_EVENT_BYTES,
             timeout=aiohttp.ClientWSTimeout(ws_close=2.0),

@@ -224,8 +224,10 @@ class Discovery:
         self.on_peer(ad)
 
     async def async_close(self) -> None:
-        for t in list(self._tasks):
+        resolving = list(self._tasks)
+        for t in resolving:
             t.cancel()
+        await asyncio.gather(*resolving, return_exceptions=True)
         if self._azc is None:
             return
         if self._browser is not None:

@@ -66,6 +66,7 @@ from agent.protocol.cluster_view import NodeInfo
 from agent.security import transport
 from agent.security.datagrams import for_credentials
 from agent.security.routes import add_cluster_routes, membership
+from agent.security.transport import peer_middleware
 from agent.serving.endpoint import make_app
 from agent.serving.stage_host import StageHost
 from agent.throttle.controller import Contribution
@@ -117,8 +118,9 @@ class AgentDaemon:
     def __init__(self, settings: Settings, opts: DaemonOptions, config_path: Any = None) -> None:
         self.settings, self.opts = settings, opts
         self.config_path = config_path  # the settings file it was started with (None: the default)
-        # node links: mutual TLS when this node has cluster credentials (chosen once, here)
-        self.transport = transport.use(transport.choose(opts.insecure, why=INSECURE_WHY))
+        # node links: mutual TLS when this node has cluster credentials (chosen once, here, and
+        # handed to every part that links to other nodes)
+        self.transport = transport.choose(opts.insecure, why=INSECURE_WHY)
         creds = self.transport.creds
         settings = self.settings = _own_cluster(settings, creds.cluster_id if creds is not None else None)
         folder = agent_state_dir(settings.port)  # several agents on one machine: one each
@@ -134,7 +136,13 @@ class AgentDaemon:
         # standalone agents take their term from a 'serve' coordinator, not from an election
         self.store = TermStore(folder, persist=not opts.standalone)
         self.fence = CoordinatorFence(lambda: self.store.state)
-        self.host = StageHost(device=opts.device, threads=opts.threads, spin_ms=opts.spin_ms, head_help=opts.head_help)
+        self.host = StageHost(
+            transport=self.transport,
+            device=opts.device,
+            threads=opts.threads,
+            spin_ms=opts.spin_ms,
+            head_help=opts.head_help,
+        )
         self.host.term_seen = data_term(self.store.state.term)
         self.held = held_exports.HeldExports()  # whole exports on this disk (a stage assigned from one: no download)
         self.host.held = self.held
@@ -147,7 +155,9 @@ class AgentDaemon:
             mem_free=lambda: int(psutil.virtual_memory().available),
             name=settings.name or socket.gethostname()[:64] or None,
         )
-        self.copies = ExportCopies(self.held, self.me, self.host, lambda: heard_peers(self), self._needed_exports)
+        self.copies = ExportCopies(
+            self.held, self.me, self.host, lambda: heard_peers(self), self._needed_exports, transport=self.transport
+        )
         self.elector: Elector | None = None
         self.discovery: Discovery | None = None
         self.gossip: RevocationGossip | None = None
@@ -177,7 +187,7 @@ class AgentDaemon:
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def async_start(self) -> None:
-        self.session = transport.current().session()
+        self.session = self.transport.session()
         await self._serve_public()
         if self.serves_local_api:  # else agent.node.unjoined.LocalAgent serves it (and set api_port)
             self.api_port = await serve_local(self._runners, make_local_app(self), self.settings.api_port)
@@ -199,7 +209,7 @@ class AgentDaemon:
         coordinator forwarded, the exports held here and the cluster settings."""
         # elected agents with credentials take assignments only from the coordinator of their term
         fence = self.fence.async_check if self.transport.secure and not self.opts.standalone else None
-        public = make_app(self.host, self.node_status, [transport.peer_middleware], fence)
+        public = make_app(self.host, self.transport, self.node_status, [peer_middleware], fence)
         add_cluster_routes(public)  # cluster identity: the CA, joining, the revocation list
         log.info("%s", membership(self.node))
         if not self.opts.standalone:
@@ -207,7 +217,7 @@ class AgentDaemon:
             held_exports.add_routes(public, self.held, self._may_fetch)
             add_settings_route(public, self.cluster_settings)  # what peers fetch (members only)
         try:
-            self.me.port = await self._serve(public, self.opts.host, self.settings.port, transport.current().server_ssl)
+            self.me.port = await self._serve(public, self.opts.host, self.settings.port, self.transport.server_ssl)
         except OSError as e:
             raise OSError(
                 f"the data port {self.opts.host}:{self.settings.port} is taken ({e.strerror or e}); another agent may "

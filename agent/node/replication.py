@@ -28,8 +28,8 @@ import aiohttp
 from agent.cluster.peers import LocalNode
 from agent.export.held import FetchError, Held, HeldExports, async_fetch
 from agent.protocol import Beat
-from agent.security import transport
 from agent.security.errors import SecurityError
+from agent.security.transport import Transport
 from agent.serving.stage_host import StageHost
 
 log = logging.getLogger(__name__)
@@ -54,8 +54,11 @@ class ExportCopies:
         host: StageHost,
         peers: Callable[[], list[HeardPeer]],  # live peers, the coordinator first
         needed: Callable[[], list[str]] = list,  # while this node coordinates: the cluster's exports
+        *,
+        transport: Transport,  # how peers' exports are fetched
     ) -> None:
         self.held, self.me, self.host, self.peers = held, me, host, peers
+        self.transport = transport
         self.needed = needed
         # what the last coordinator heard said the cluster needs (kept after it dies: its successor
         # may refit the nodes left onto one of these, never onto an old export found on disk)
@@ -120,7 +123,7 @@ class ExportCopies:
                 return
 
     async def _fetch(self, export: str, sources: list[HeardPeer]) -> None:
-        tr = transport.current()
+        tr = self.transport
         errors = []
         for src in sources:
             self.progress = {"from": src.node}

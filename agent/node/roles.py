@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from agent.api.events import EventHub
 from agent.cluster.offers import Member
 from agent.protocol.cluster_view import NodeInfo
+from agent.security.transport import Transport
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class ServicesSpec:
     members: Callable[[], list[Member]]  # the nodes heard right now, this one included
     nodes: Callable[[], list[NodeInfo]]  # the same, as node maps show them
     needed_before: Callable[[], tuple[str, ...]]  # the exports the last coordinator needed
+    transport: Transport  # how its links to the agents travel (the daemon's)
 
 
 class Services(Protocol):
@@ -57,7 +59,7 @@ class Services(Protocol):
     draft: str | None
     hub: EventHub  # the cluster's event stream
 
-    def start(self) -> None: ...
+    async def async_start(self) -> None: ...  # publish the event stream; plan and serve in the background
 
     async def async_stop(self) -> None: ...
 

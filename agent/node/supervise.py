@@ -79,10 +79,10 @@ class Supervisor:
             return True  # (still the coordinator, of the same term? look again)
         if leading and d.services is None:
             self._serving = want.key
-            d.services = self._start(make_services, term, want)
+            d.services = await self._async_start(make_services, term, want)
         return False
 
-    def _start(self, make_services: ServicesFactory, term: int, want: Effective) -> Services:
+    async def _async_start(self, make_services: ServicesFactory, term: int, want: Effective) -> Services:
         d, s = self.d, self.d.settings
         services = make_services(
             ServicesSpec(
@@ -103,9 +103,10 @@ class Supervisor:
                 nodes=d.node_infos,
                 cluster=s.cluster_id,
                 needed_before=lambda: d.copies.cluster_needs,
+                transport=d.transport,
             )
         )
-        services.start()
+        await services.async_start()
         return services
 
 

@@ -38,7 +38,7 @@ from agent.protocol.status import NO_CLUSTER, ClusterStatus, NodeStatus
 from agent.security import files
 from agent.security.errors import SecurityError
 from agent.security.local_routes import Identity, add_cluster_api
-from agent.security.transport import NO_CLUSTER_HINT
+from agent.security.transport import NO_CLUSTER_HINT, Transport
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +152,10 @@ class LocalAgent:
     @property
     def session(self) -> aiohttp.ClientSession | None:
         return self.daemon.session if self.daemon is not None else None
+
+    @property
+    def transport(self) -> Transport | None:
+        return self.daemon.transport if self.daemon is not None else None
 
     def coordinator_target(self) -> Target | None:
         return self.daemon.coordinator_target() if self.daemon is not None else None

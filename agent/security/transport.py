@@ -1,7 +1,9 @@
 """How node-to-node traffic travels: mutual TLS with this cluster's certificates, or plaintext.
 
-A :class:`Transport` is chosen once when a process starts (:func:`choose`) and installed with
-:func:`use`; every node-to-node link then goes through :func:`current`:
+A :class:`Transport` is chosen once when a process starts (:func:`choose`) and handed to every
+part that links to other nodes (a constructor's ``transport`` argument; an aiohttp app holds it
+under :data:`TRANSPORT_KEY`). There is no process-wide one: two agents in one process (tests)
+each keep their own.
 
 * :meth:`Transport.url`: ``https``/``wss`` (secure) or ``http``/``ws`` (plaintext) for a node
   address ``host:port``;
@@ -10,9 +12,10 @@ A :class:`Transport` is chosen once when a process starts (:func:`choose`) and i
 * :meth:`Transport.server_ssl`: the SSL context for the public data port (None: plaintext);
 * :meth:`Transport.check_server` / :meth:`Transport.node_at`: the node id in the certificate of
   the server a client reached (refusing revoked nodes); the gateway checks the coordinator's;
-* :func:`peer_middleware`: on a secure port, the peer's node id is taken from its certificate
-  (``request["peer"]``), revoked nodes are refused with 403, and only the public cluster routes
-  (the CA, joining, the revocation list) answer a client that shows no certificate.
+* :func:`peer_middleware`: on a secure port (the app's :data:`TRANSPORT_KEY`), the peer's node
+  id is taken from its certificate (``request["peer"]``), revoked nodes are refused with 403, and
+  only the public cluster routes (the CA, joining, the revocation list) answer a client that
+  shows no certificate.
 * :meth:`Transport.drop_revoked`: once the revocation list names a node, its connections that
   are still open (a websocket or a request in progress here, a link this node opened to it) are
   closed; every new request or handshake of it is refused anyway.
@@ -189,19 +192,9 @@ class Transport:
         return f"mutual TLS, cluster {self.creds.cluster_id}, node {self.creds.node_id}"
 
 
-PLAINTEXT = Transport()
-_current: Transport = PLAINTEXT
-
-
-def current() -> Transport:
-    """The transport this process chose at start (plaintext until :func:`use` is called)."""
-    return _current
-
-
-def use(t: Transport) -> Transport:
-    global _current
-    _current = t
-    return t
+PLAINTEXT = Transport()  # for plaintext lab clusters and tests (a node's own comes from choose())
+# the transport of an app's port: what peer_middleware checks peers with (set where the app is built)
+TRANSPORT_KEY = web.AppKey("transport", Transport)
 
 
 def choose(insecure: bool = False, folder: Path | None = None, why: str = "--insecure") -> Transport:
@@ -225,8 +218,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @web.middleware
 async def peer_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """On a secure port: the peer's identity is its certificate (``request["peer"]``)."""
-    t = current()
+    """On a secure port: the peer's identity is its certificate (``request["peer"]``). The app
+    says which transport its port serves (:data:`TRANSPORT_KEY`)."""
+    t = request.config_dict[TRANSPORT_KEY]
     if t.secure:
         try:
             peer = t.peer(request.transport.get_extra_info("ssl_object") if request.transport else None)

@@ -30,6 +30,7 @@ from agent.protocol import (
     decode,
     encode,
 )
+from agent.security.transport import TRANSPORT_KEY, Transport
 from agent.serving import frametrace
 from agent.serving.link import HEARTBEAT_S
 from agent.serving.owners import LINK_HEADER
@@ -148,13 +149,17 @@ async def node_handler(request: web.Request) -> web.Response:
 
 def make_app(
     host: StageHost,
+    transport: Transport,
     status: Callable[[], dict[str, Any]] | None = None,
     middlewares: Sequence[Any] = (),
     fence: Fence | None = None,
 ) -> web.Application:
     """The public app: the stage websocket and a read-only ``/v1/node`` (``status`` or the stage's);
-    ``fence``: who may assign this agent a stage (None: anyone who reaches it, in a newer term)."""
+    ``transport``: what its port serves and its links use (the app's ``TRANSPORT_KEY``, which
+    :func:`agent.security.transport.peer_middleware` reads); ``fence``: who may assign this agent
+    a stage (None: anyone who reaches it, in a newer term)."""
     app = web.Application(client_max_size=MAX_FRAME, middlewares=list(middlewares))
+    app[TRANSPORT_KEY] = transport
     app[FENCE] = fence
     app[HOST] = host
     app[STATUS] = status or host.status
@@ -162,7 +167,7 @@ def make_app(
     app.router.add_get("/v1/node", node_handler)
 
     async def relay_ctx(app: web.Application) -> AsyncIterator[None]:
-        rt = StageRelay(app[HOST])
+        rt = StageRelay(app[HOST], transport=app[TRANSPORT_KEY])
         app[RELAY] = rt
         yield
         await rt.async_close()

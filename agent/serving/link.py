@@ -19,8 +19,8 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 
 from agent.protocol import MAX_FRAME
-from agent.security import transport
 from agent.security.errors import SecurityError
+from agent.security.transport import Transport
 from agent.serving import frametrace
 
 log = logging.getLogger(__name__)
@@ -51,15 +51,18 @@ class Link:
         self,
         url: str,
         *,
+        transport: Transport,
         delay_ms: float = 0.0,
         mbps: float = 0.0,
         on_frame: Callable[[bytes], Awaitable[None]] | None = None,
         connect_timeout: float = 10.0,
         role: str | None = None,
     ) -> None:
-        """``role``: what this link is to the receiving agent (``"loop"``: a last stage's link
-        back to stage 0, see :mod:`agent.serving.owners`)."""
+        """``transport``: how it reaches the node at ``url`` (TLS: whose certificate it checks);
+        ``role``: what this link is to the receiving agent (``"loop"``: a last stage's link back
+        to stage 0, see :mod:`agent.serving.owners`)."""
         self.url = url
+        self.transport = transport
         self._headers = {"X-Lakeshard-Link": role} if role else {}
         self.delay_s = max(0.0, delay_ms) / 1000.0
         self.bytes_per_s = mbps * 1e6 / 8 if mbps > 0 else 0.0
@@ -73,7 +76,7 @@ class Link:
         self._closed = False
 
     async def async_connect(self) -> None:
-        self._session = transport.current().session()
+        self._session = self.transport.session()
         deadline = time.monotonic() + self._connect_timeout
         while True:
             try:
@@ -87,7 +90,7 @@ class Link:
                 await asyncio.sleep(0.1)
                 continue
             try:
-                transport.current().check_server(self._ws)
+                self.transport.check_server(self._ws)
                 break
             except SecurityError as e:
                 await self._ws.close()

@@ -22,6 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from agent.protocol import Close, Error, Fwd, Head, HeadTop, Message, Passed, Ping, Pong, ProtocolError, decode, encode
+from agent.security.transport import Transport
 from agent.serving import frametrace
 from agent.serving.link import Link, LinkClosed
 from agent.serving.owners import Owners
@@ -49,8 +50,9 @@ class StageRelay:
     same queue, so they reach a stream after every step sent before them.
     """
 
-    def __init__(self, host: StageHost) -> None:
+    def __init__(self, host: StageHost, *, transport: Transport) -> None:
         self.host = host
+        self.transport = transport  # how its links reach the next agent and stage 0
         self.next: Link | None = None
         self.loop: Link | None = None  # last stage -> stage 0, for steps the ring runs on its own
         self.pending = 0
@@ -65,7 +67,8 @@ class StageRelay:
         host.worker.loop_up = lambda: self.loop is not None and not self.loop.closed
 
     async def async_set_next(self, url: str, delay_ms: float, mbps: float = 0.0) -> None:
-        old, self.next = self.next, Link(url, delay_ms=delay_ms, mbps=mbps, on_frame=self._on_next_reply)
+        link = Link(url, transport=self.transport, delay_ms=delay_ms, mbps=mbps, on_frame=self._on_next_reply)
+        old, self.next = self.next, link
         if old is not None:
             await old.async_close()
         await self.next.async_connect()
@@ -95,7 +98,9 @@ class StageRelay:
         if old is not None:
             await old.async_close()
         if url:
-            self.loop = Link(url, delay_ms=delay_ms, mbps=mbps, on_frame=self._on_loop_reply, role="loop")
+            self.loop = Link(
+                url, transport=self.transport, delay_ms=delay_ms, mbps=mbps, on_frame=self._on_loop_reply, role="loop"
+            )
             await self.loop.async_connect()
 
     async def _on_next_reply(self, frame: bytes) -> None:
@@ -307,10 +312,10 @@ class StageRelay:
             self.submit_end(err)
 
     async def async_close(self) -> None:
-        if self._prober is not None:
-            self._prober.cancel()
-        for t in list(self._tasks):
+        tasks = [t for t in (self._prober, *self._tasks) if t is not None]
+        for t in tasks:
             t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for link in (self.next, self.loop):
             if link is not None:
                 await link.async_close()

@@ -18,7 +18,7 @@ from agent.common.hashing import sha256_file
 from agent.common.paths import cache_dir
 from agent.export.held import HeldExports
 from agent.protocol import Assign, ProtocolError
-from agent.security import transport
+from agent.security.transport import Transport
 
 STAGE_FILES = ("model.xml", "model.bin")
 MAX_MANIFEST = 1 << 20  # bytes of a stage's manifest.json
@@ -27,7 +27,8 @@ OPTIONAL_FILES = ("head.xml", "head.bin")  # a part of the vocabulary head (mani
 
 
 class StageFiles:
-    def __init__(self) -> None:
+    def __init__(self, *, transport: Transport) -> None:
+        self.transport = transport  # how the coordinator's artifact port is reached
         self.fetching: dict[str, Any] | None = None  # the stage file being downloaded, with progress
         self.held: HeldExports | None = None  # exports this node holds whole: their stages need no download
 
@@ -50,7 +51,7 @@ class StageFiles:
         part = dest.parent / f".partial-{msg.manifest_sha256[:32]}"
         part.mkdir(exist_ok=True)
         try:
-            async with transport.current().session() as s:
+            async with self.transport.session() as s:
                 await self._fetch_all(s, msg, part)
             if not dest.exists():
                 part.rename(dest)

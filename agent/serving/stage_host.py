@@ -22,6 +22,7 @@ from agent.protocol import Assign, Assigned, ProtocolError, StageReport
 from agent.protocol.control import EXPORT_RE
 from agent.runtime.device import DeviceError, assigned_device, choose_device
 from agent.runtime.stage import Stage
+from agent.security.transport import Transport
 from agent.serving.compute import ComputeThread
 from agent.serving.stage_files import OPTIONAL_FILES, STAGE_FILES, StageFiles
 from agent.serving.stage_worker import StageWorker
@@ -32,7 +33,13 @@ log = logging.getLogger(__name__)
 
 class StageHost:
     def __init__(
-        self, *, device: str = "AUTO", threads: int | None = None, spin_ms: float = 50.0, head_help: str = "auto"
+        self,
+        *,
+        transport: Transport,  # how its stage's files are fetched from the coordinator
+        device: str = "AUTO",
+        threads: int | None = None,
+        spin_ms: float = 50.0,
+        head_help: str = "auto",
     ) -> None:
         self.device = device
         self.threads = threads  # the threads the next stage it compiles may use (the throttle lowers it)
@@ -41,7 +48,7 @@ class StageHost:
         self.term_seen = 0
         self.worker = StageWorker(head_help)  # the stage and its streams: compute thread only
         self.compute = ComputeThread(spin_s=self._spin_s)
-        self.files = StageFiles()
+        self.files = StageFiles(transport=transport)
         self.next_rtt_ms: float | None = None  # round trip to the next agent of the ring (smoothed)
         self.errors = 0
         self.preparing: str | None = None  # what an assignment does now: "fetching" or "compiling" its stage

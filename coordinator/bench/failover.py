@@ -23,6 +23,7 @@ from typing import Any
 from agent.common import aio
 from agent.export.exporter import ExportOptions
 from agent.models.store import LocalModel, ModelStore
+from agent.security.transport import PLAINTEXT
 from coordinator.batching.scheduler import GenRequest
 from coordinator.bench.pipeline import BenchError
 from coordinator.lab.local_cluster import LocalCluster
@@ -94,6 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             nodes=nodes,
             model=model,
             opts=ExportOptions(weights=args.weights),
+            transport=PLAINTEXT,
             exact=True,
             wire_dtype="f32",
             api=False,

@@ -18,6 +18,7 @@ from typing import Any
 from agent.common import aio
 from agent.export.exporter import ExportOptions, export_model
 from agent.models.registry import REGISTRY
+from agent.security.transport import PLAINTEXT
 from coordinator.bench.pipeline import resolve_model, synthetic_ids
 from coordinator.lab.local_cluster import LocalCluster
 from coordinator.service.config import ServeConfig
@@ -56,7 +57,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     hd = cfg_json.get("head_dim") or cfg_json["hidden_size"] // cfg_json["num_attention_heads"]
     kv_mb = 2 * cfg_json["num_hidden_layers"] * cfg_json["num_key_value_heads"] * hd * args.prompt_tokens * 2 / 2**20
     with LocalCluster(1, device="CPU") as cluster:
-        cfg = ServeConfig(nodes=cluster.nodes, model=model, opts=opts, api_port=0, quiet=True, api=False)
+        cfg = ServeConfig(
+            nodes=cluster.nodes, model=model, opts=opts, transport=PLAINTEXT, api_port=0, quiet=True, api=False
+        )
         rss = aio.run(_grow(cfg, args.streams, args.prompt_tokens))
     deltas = [round(b - a, 1) for a, b in itertools.pairwise(rss)]
     return {

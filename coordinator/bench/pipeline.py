@@ -34,6 +34,7 @@ from agent.export.exporter import ExportOptions, export_model
 from agent.models.registry import REGISTRY
 from agent.models.store import LocalModel, ModelStore
 from agent.runtime.device import DeviceError, choose_device, device_names
+from agent.security.transport import PLAINTEXT
 from coordinator.batching.scheduler import GenRequest
 from coordinator.lab.local_cluster import LocalCluster
 from coordinator.service.config import ServeConfig, plan_ranges
@@ -298,6 +299,7 @@ def _rows(
                         nodes=cluster.nodes,
                         model=model,
                         opts=opts,
+                        transport=PLAINTEXT,
                         api_port=0,
                         quiet=True,
                         link_delay_ms=delay,

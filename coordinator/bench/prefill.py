@@ -20,6 +20,7 @@ import statistics
 from typing import Any
 
 from agent.common import aio
+from agent.security.transport import PLAINTEXT
 from coordinator.batching.scheduler import PREFILL_PIECES_PER_STAGE, GenRequest, prefill_chunks
 from coordinator.bench.pipeline import IDLE_S, BenchError, Mono, _ints, _say, prepare, synthetic_ids
 from coordinator.lab.local_cluster import LocalCluster
@@ -72,6 +73,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     nodes=cluster.nodes,
                     model=model,
                     opts=setup.opts,
+                    transport=PLAINTEXT,
                     api_port=0,
                     quiet=True,
                     term=term,

@@ -108,8 +108,7 @@ class Pki:
         return [{"LAKESHARD_HOME": str(h), "LAKESHARD_SHARED_CACHE": shared} for h in self.homes]
 
 
-async def _start(cfg: ServeConfig, t: transport.Transport) -> Coordinator:
-    transport.use(t)  # links and the return site take the transport current when they are made
+async def _start(cfg: ServeConfig) -> Coordinator:
     coord = Coordinator(cfg)
     await coord.async_start()
     return coord
@@ -312,13 +311,14 @@ async def _main(
 ) -> dict[str, Any]:
     opts = ExportOptions(weights=args.weights)
 
-    def cfg(nodes: list[str], term: int) -> ServeConfig:
+    def cfg(nodes: list[str], term: int, t: transport.Transport) -> ServeConfig:
         # exact (f32 activations and wire): a healthy run's tokens do not depend on which numeric
         # path (a split head or not) the other streams on a stage make it take
         return ServeConfig(
             nodes=nodes,
             model=model,
             opts=opts,
+            transport=t,
             quiet=True,
             term=term,
             max_streams=1,
@@ -331,7 +331,7 @@ async def _main(
         made = {}
         for name in (first, "plain" if first == "tls" else "tls"):
             t = transport.Transport(p.coordinator) if name == "tls" else transport.PLAINTEXT
-            made[name] = await _start(cfg(sec.nodes if name == "tls" else plain.nodes, term), t)
+            made[name] = await _start(cfg(sec.nodes if name == "tls" else plain.nodes, term, t))
         return made
 
     # The coordinator started first runs a few per cent slower in this harness, plaintext or

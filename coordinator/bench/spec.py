@@ -30,6 +30,7 @@ from agent.models.registry import REGISTRY
 from agent.models.store import LocalModel, ModelStore
 from agent.runtime.device import device_names
 from agent.runtime.device_profile import compile_properties
+from agent.security.transport import PLAINTEXT
 from coordinator.batching.scheduler import GenRequest
 from coordinator.bench.pipeline import BenchError, bench_devices
 from coordinator.bench.spec_prompts import PROMPTS
@@ -330,6 +331,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             nodes=cluster.nodes,
             model=target,
             opts=opts,
+            transport=PLAINTEXT,
             quiet=True,
             api=False,
             max_streams=s,

@@ -38,8 +38,8 @@ from agent.protocol import (
     decode,
     encode,
 )
-from agent.security import transport
 from agent.security.errors import SecurityError
+from agent.security.transport import Transport
 from agent.serving.link import HEARTBEAT_S, Link, LinkClosed
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ class Pipeline:
         export_id: str,
         return_url: str,
         artifacts_url: str,
+        transport: Transport,  # how it reaches its agents (and which certificates they must show)
         term: int = 1,
         link_delay_ms: float = 0.0,
         link_mbps: float = 0.0,
@@ -85,6 +86,7 @@ class Pipeline:
         self.export_id = export_id
         self.return_url = return_url
         self.artifacts_url = artifacts_url.rstrip("/")
+        self.transport = transport
         self.term = term
         self.link_delay_ms = link_delay_ms
         self.link_mbps = link_mbps
@@ -110,7 +112,7 @@ class Pipeline:
 
     # -- set-up ------------------------------------------------------------------------------
     async def async_start(self, timeout: float = 300.0) -> None:
-        self._session = transport.current().session()
+        self._session = self.transport.session()
         n = len(self.placements)
         # Every control connection is read from the start: an agent that was assigned first must
         # have its heartbeat pings answered while the next one downloads and compiles its stage.
@@ -122,7 +124,7 @@ class Pipeline:
         # Every stage at once (their downloads and compiles overlap); each connects to its next
         # hop, whose agent listens whether it has a stage yet or not.
         self.assigned = [None] * n  # type: ignore[list-item]
-        tr = transport.current()
+        tr = self.transport
         loop = asyncio.get_running_loop()
         for i in range(n):
             p = self.placements[i]
@@ -156,10 +158,11 @@ class Pipeline:
             log.info("stage %d on %s (%s), ready in %.1fs", i, p.node, got.device, got.compile_s)
         if self.lost is not None:  # an agent assigned earlier died while a later one was set up
             raise PipelineError(f"the agent at {self.lost} is gone", "node_lost")
-        first = transport.current().url(self.placements[0].node, "/ws", ws=True)
+        first = tr.url(self.placements[0].node, "/ws", ws=True)
         wan = not self.home_first
         self._link = Link(
             first,
+            transport=tr,
             delay_ms=self.link_delay_ms if wan else 0.0,
             mbps=self.link_mbps if wan else 0.0,
             on_frame=self.async_on_frame,
@@ -177,7 +180,7 @@ class Pipeline:
         while True:
             try:
                 ws = await self._session.ws_connect(
-                    transport.current().url(node, "/ws"), heartbeat=HEARTBEAT_S, max_msg_size=MAX_FRAME, compress=0
+                    self.transport.url(node, "/ws"), heartbeat=HEARTBEAT_S, max_msg_size=MAX_FRAME, compress=0
                 )
             except (aiohttp.ClientError, OSError) as e:
                 if time.monotonic() > deadline:
@@ -185,7 +188,7 @@ class Pipeline:
                 await asyncio.sleep(0.2)
                 continue
             try:
-                transport.current().check_server(ws)
+                self.transport.check_server(ws)
             except SecurityError as e:
                 await ws.close()
                 raise PipelineError(f"refusing the agent at {node}: {e}", "refused") from e
@@ -408,6 +411,7 @@ class Pipeline:
             await self._link.async_close()
         for t in self._watchers:
             t.cancel()
+        await asyncio.gather(*self._watchers, return_exceptions=True)
         for ws in self._control:
             with contextlib.suppress(Exception):
                 await ws.close()

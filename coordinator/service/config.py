@@ -11,6 +11,7 @@ from agent.api.events import EventHub
 from agent.common.limits import TOTAL_INFLIGHT
 from agent.export.exporter import ExportOptions
 from agent.models.store import LocalModel
+from agent.security.transport import Transport
 from coordinator.api.limits import Limits
 from coordinator.planning.planner import balanced_split, model_costs, split_from_cuts
 from coordinator.service.preparing import Preparer
@@ -21,6 +22,9 @@ class ServeConfig:
     nodes: list[str]
     model: LocalModel
     opts: ExportOptions
+    # how the coordinator's links to the agents travel, and what its data port serves (always
+    # given: the daemon's, the one 'lakeshard serve' chose, PLAINTEXT for plaintext lab clusters)
+    transport: Transport = field(kw_only=True)
     split: list[int] | None = None
     api_host: str = "127.0.0.1"
     api_port: int = 8000

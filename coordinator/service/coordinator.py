@@ -69,6 +69,7 @@ class Coordinator:
             advertise_host=cfg.advertise_host,
             on_frame=self._async_on_ring_frame,
             stage_dirs=self.exports.stage_dirs,
+            transport=cfg.transport,
         )
         self.failover = Failover(self)
         self.rebalancer = Rebalancer(self)
@@ -85,7 +86,7 @@ class Coordinator:
             self.scheduler.recover = self.failover.async_recover
             await self.failover.async_spare_for(cfg.nodes)
         if cfg.rebalance:
-            self.rebalancer.async_start()
+            await self.rebalancer.async_start()
         if cfg.api:
             await self._async_start_api(self.scheduler)
         self.prep.ready()
@@ -119,7 +120,7 @@ class Coordinator:
             limiter=Limiter(cfg.api_limits) if cfg.api_limits.any else None,
         )
         if self._own_hub:
-            self.hub.start()
+            await self.hub.async_start()
         api_port = cfg.api_port if cfg.api_port else free_port(cfg.api_host)
         self._api = await async_serve_site(make_api_app(state), cfg.api_host, api_port)
         self.api_url = f"http://{cfg.api_host}:{api_port}"
@@ -139,7 +140,7 @@ class Coordinator:
             self._tokenizer = loop.run_in_executor(None, lambda: ChatTokenizer(d / "tokenizer", d / "config.json"))
         pipeline = self._pipeline(nodes, export, await self.exports.async_serve(export))
         try:
-            async with self.prep.assigning(pipeline, self.node_ids):
+            async with self.prep.assigning(pipeline, cfg.transport, self.node_ids):
                 await pipeline.async_start()
         except BaseException:
             await pipeline.async_close()
@@ -158,6 +159,7 @@ class Coordinator:
             export_id=export_id,
             return_url=self.listener.return_url,
             artifacts_url=self.listener.artifacts_url,
+            transport=cfg.transport,
             term=self.term,
             link_delay_ms=cfg.link_delay_ms,
             link_mbps=cfg.link_mbps,

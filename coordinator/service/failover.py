@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from agent.protocol.events import Failover as FailoverEvent
-from agent.security import transport
+from agent.security.transport import Transport
 from coordinator.planning.planner import PlanError
 from coordinator.ring.pipeline import Pipeline, PipelineError
 from coordinator.service.config import plan_ranges
@@ -29,18 +29,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-async def usable(node: str, paused: set[str], timeout: float = 1.0) -> bool:
-    """Whether the agent at ``node`` can take a stage now: it answers, and is not paused."""
-    if node in paused and not await _not_paused(node, timeout):
+async def usable(node: str, paused: set[str], tr: Transport, timeout: float = 1.0) -> bool:
+    """Whether the agent at ``node`` can take a stage now: it answers, and is not paused (as it
+    says over ``tr``)."""
+    if node in paused and not await _not_paused(node, tr, timeout):
         return False
     return await reachable(node, timeout)
 
 
-async def _not_paused(node: str, timeout: float) -> bool:
+async def _not_paused(node: str, tr: Transport, timeout: float) -> bool:
     try:
         async with (
-            transport.current().session(timeout=aiohttp.ClientTimeout(total=timeout)) as s,
-            s.get(transport.current().url(node, "/v1/node")) as r,
+            tr.session(timeout=aiohttp.ClientTimeout(total=timeout)) as s,
+            s.get(tr.url(node, "/v1/node")) as r,
         ):
             st = await r.json()
     except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
@@ -96,7 +97,7 @@ class Failover:
             if c.pipeline is not failed:
                 return  # already replaced
             t0 = time.monotonic()
-            live = [n for n in c.nodes if await usable(n, failed.paused)]
+            live = [n for n in c.nodes if await usable(n, failed.paused, c.cfg.transport)]
             log.warning("re-planning over %d of %d agents after losing %s", len(live), len(c.nodes), failed.lost)
             if not live:
                 why = "every agent is paused or gone" if failed.paused else "no agent is reachable any more"

@@ -20,6 +20,7 @@ from agent.cluster.offers import Member
 from agent.export.held import FetchError
 from agent.models.registry import REGISTRY
 from agent.models.store import LocalModel, ModelStore
+from agent.security.transport import Transport
 from coordinator.planning.planner import Plan, PlanError, StagePlan, footprint, plan_pipeline, prefer_held
 from coordinator.service.held import copy_export, held_exports, held_splits, model_for
 from coordinator.service.preparing import Preparer
@@ -56,11 +57,13 @@ class Forming:
         members: Callable[[], list[Member]],
         needed_before: Callable[[], tuple[str, ...]],
         prep: Preparer,
+        transport: Transport,  # how a running plan's export is copied from the nodes that hold it
     ) -> None:
         self.weights, self.streams, self.min_nodes = weights, streams, min_nodes
         self.my_address = my_address
         self.members, self.needed_before = members, needed_before
         self.prep = prep
+        self.transport = transport
 
     def home(self, members: list[Member]) -> str | None:
         """This machine's node id, when its agent is among the members."""
@@ -109,7 +112,7 @@ class Forming:
             return None
         addresses = {m.offer.node: m.address for m in members}
         try:
-            d = await copy_export(a.export, [addresses[n] for n in a.sources])
+            d = await copy_export(a.export, [addresses[n] for n in a.sources], self.transport)
             meta = json.loads((d / "export.json").read_text())
             ranges = [(int(x), int(y)) for x, y in meta["ranges"]]
         except (FetchError, OSError, ValueError, KeyError, TypeError) as e:

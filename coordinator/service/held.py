@@ -13,18 +13,18 @@ import aiohttp
 
 from agent.export.held import FetchError, HeldExports, async_fetch
 from agent.models.store import LocalModel, ModelStore
-from agent.security import transport
 from agent.security.errors import SecurityError
+from agent.security.transport import Transport
 from coordinator.service.takeover import Held
 
 
-async def copy_export(export: str, sources: list[str]) -> Path:
-    """The folder of ``export`` on this node: held already, or copied from one of ``sources``."""
+async def copy_export(export: str, sources: list[str], tr: Transport) -> Path:
+    """The folder of ``export`` on this node: held already, or copied from one of ``sources``
+    (reached over ``tr``)."""
     held = HeldExports()
     h = (await asyncio.to_thread(held.scan, True)).get(export)
     if h is not None:
         return h.dir
-    tr = transport.current()
     errors = []
     for src in sources:
         try:

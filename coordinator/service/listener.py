@@ -21,7 +21,7 @@ import aiohttp
 from aiohttp import web
 
 from agent.protocol import MAX_FRAME
-from agent.security import transport
+from agent.security.transport import TRANSPORT_KEY, Transport, peer_middleware
 from agent.serving.link import HEARTBEAT_S
 from agent.serving.stage_host import OPTIONAL_FILES, STAGE_FILES
 
@@ -62,7 +62,8 @@ class DataListener:
     """The ring's return and the stage files, on one port the agents can reach.
 
     ``on_frame``: what to do with a frame the ring returns. ``stage_dirs``: an export id's
-    stage folders (None: no such export is served).
+    stage folders (None: no such export is served). ``transport``: what the port serves (TLS
+    with peer certificates, or plaintext) and the scheme of its URLs.
     """
 
     def __init__(
@@ -74,8 +75,10 @@ class DataListener:
         advertise_host: str | None,
         on_frame: Callable[[bytes], Awaitable[None]],
         stage_dirs: Callable[[str], list[Path] | None],
+        transport: Transport,
     ) -> None:
         self.bind_host, self.wanted_port, self.port_fallback = host, port, port_fallback
+        self.transport = transport
         self.advertise_host = advertise_host
         self.on_frame, self.stage_dirs = on_frame, stage_dirs
         self.host = ""  # where the agents reach it (once started)
@@ -103,10 +106,11 @@ class DataListener:
         bind = self.bind_host
         self.host = self.advertise_host or (bind if bind not in ("0.0.0.0", "::") else socket.gethostname())
         # node traffic (the ring's return, stage files): TLS with peer certificates when secure
-        app = web.Application(client_max_size=MAX_FRAME, middlewares=[transport.peer_middleware])
+        app = web.Application(client_max_size=MAX_FRAME, middlewares=[peer_middleware])
+        app[TRANSPORT_KEY] = self.transport
         app.router.add_get("/ring", self._ring)
         app.router.add_get(r"/artifacts/{export}/{stage:\d+}/{name}", self._artifact)
-        self._runner = await async_serve_site(app, bind, self.port, transport.current().server_ssl)
+        self._runner = await async_serve_site(app, bind, self.port, self.transport.server_ssl)
 
     async def _ring(self, request: web.Request) -> web.WebSocketResponse:
         ws = web.WebSocketResponse(heartbeat=HEARTBEAT_S, max_msg_size=MAX_FRAME, compress=False)
@@ -132,12 +136,12 @@ class DataListener:
     @property
     def return_url(self) -> str:
         """Where the last stage sends its frames back."""
-        return transport.current().url(f"{self.host}:{self.port}", "/ring", ws=True)
+        return self.transport.url(f"{self.host}:{self.port}", "/ring", ws=True)
 
     @property
     def artifacts_url(self) -> str:
         """Where the agents fetch their stages' files."""
-        return transport.current().url(f"{self.host}:{self.port}", "/artifacts")
+        return self.transport.url(f"{self.host}:{self.port}", "/artifacts")
 
     async def async_stop(self) -> None:
         """Close the ring's return links, then the listener. Closed first, they end at once; left

@@ -30,8 +30,8 @@ from agent.models.download import PullProgress
 from agent.protocol.cluster_view import NodeStep, Preparation
 from agent.protocol.control import ID_RE
 from agent.protocol.events import Event, Preparing
-from agent.security import transport
 from agent.security.errors import SecurityError
+from agent.security.transport import Transport
 from agent.serving.stage_host import OPTIONAL_FILES, STAGE_FILES
 
 log = logging.getLogger(__name__)
@@ -134,9 +134,12 @@ class Preparer:
 
     # -- the assignment: each node downloading, compiling, ready ----------------------------
     @contextlib.asynccontextmanager
-    async def assigning(self, pipeline: Assigning, ids: dict[str, str] | None = None) -> AsyncIterator[None]:
-        """While ``pipeline`` assigns its stages (the body): each node's step, followed."""
-        task = asyncio.create_task(self._follow(pipeline, ids or {}))
+    async def assigning(
+        self, pipeline: Assigning, tr: Transport, ids: dict[str, str] | None = None
+    ) -> AsyncIterator[None]:
+        """While ``pipeline`` assigns its stages (the body): each node's step, followed (its
+        agents asked over ``tr``)."""
+        task = asyncio.create_task(self._follow(pipeline, tr, ids or {}))
         try:
             yield
         except Exception as e:
@@ -148,12 +151,11 @@ class Preparer:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
 
-    async def _follow(self, pipeline: Assigning, ids: dict[str, str]) -> None:
+    async def _follow(self, pipeline: Assigning, tr: Transport, ids: dict[str, str]) -> None:
         places = list(pipeline.placements)
         keys = [node_key(p.node, ids) for p in places]
         files = await asyncio.to_thread(lambda: [stage_files(p.stage_dir) for p in places])
         steps = [NodeStep(k, "waiting") for k in keys]
-        tr = transport.current()
         async with tr.session(timeout=aiohttp.ClientTimeout(total=max(POLL_S * 4, 2.0))) as s:
             while True:
                 seen = await asyncio.gather(*(_stage_status(s, tr.url(p.node, "/v1/node")) for p in places))

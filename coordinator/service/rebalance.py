@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from agent.security import transport
 from coordinator.planning.calibration import fit_head_layers, propose, stage_time
 from coordinator.service.config import plan_ranges
 
@@ -29,7 +28,7 @@ class Rebalancer:
         self.rebalances: list[dict[str, object]] = []
         self._auto: asyncio.Task[None] | None = None
 
-    def async_start(self) -> None:
+    async def async_start(self) -> None:
         """Rebalance once, as soon as every stage has timed enough steps (in the background)."""
         self._auto = asyncio.create_task(self._async_auto())
 
@@ -41,10 +40,11 @@ class Rebalancer:
                     return
 
     async def _async_statuses(self) -> list[Any]:
-        async with transport.current().session(timeout=aiohttp.ClientTimeout(total=5)) as s:
+        tr = self.coord.cfg.transport
+        async with tr.session(timeout=aiohttp.ClientTimeout(total=5)) as s:
             statuses = []
             for node in self.coord.nodes:
-                async with s.get(transport.current().url(node, "/v1/node")) as r:
+                async with s.get(tr.url(node, "/v1/node")) as r:
                     statuses.append(await r.json())
         return statuses
 

@@ -31,6 +31,7 @@ from agent.export.exporter import ExportOptions
 from agent.node.roles import ServicesSpec
 from agent.protocol.cluster_view import ClusterView, NodeInfo
 from agent.protocol.events import Takeover
+from agent.security.transport import Transport
 from coordinator.api.limits import Limits
 from coordinator.planning.planner import Plan
 from coordinator.service import role_status
@@ -57,6 +58,7 @@ class CoordinatorRole:
         term: int,
         my_address: str,
         members: Callable[[], list[Member]],  # the nodes heard right now, this one included
+        transport: Transport,  # how its links to the agents travel (the daemon's)
         nodes: Callable[[], list[NodeInfo]] = lambda: [],  # the same, as node maps show them
         cluster: str = "default",
         api_limits: Limits | None = None,  # per client (None: only the cap on requests in flight)
@@ -69,6 +71,7 @@ class CoordinatorRole:
         self.ring_port = ring_port
         self.streams, self.exact, self.term = streams, exact, term
         self.my_address = my_address
+        self.transport = transport
         self.api_limits = api_limits or Limits(total=TOTAL_INFLIGHT)
         self.members = members
         self.coordinator: Coordinator | None = None
@@ -92,12 +95,13 @@ class CoordinatorRole:
             members=members,
             needed_before=needed_before,
             prep=self.prep,
+            transport=transport,
         )
 
-    def start(self) -> None:
+    async def async_start(self) -> None:
         """Publish the event stream; form and serve the pipeline when a model is set (in the
-        background: the daemon's Protocol names it ``start``)."""
-        self.hub.start()
+        background: it returns at once)."""
+        await self.hub.async_start()
         if self.model_ref:
             self._task = asyncio.create_task(self._run())
 
@@ -176,6 +180,7 @@ class CoordinatorRole:
             cluster_id=self.cluster,
             api_limits=self.api_limits,
             draft=self.draft,
+            transport=self.transport,
         )
 
     def _took_over(self, formed: Formed, ref: str, seconds: float) -> None:
@@ -308,4 +313,5 @@ def make_services(spec: ServicesSpec) -> CoordinatorRole:
         nodes=spec.nodes,
         cluster=spec.cluster,
         needed_before=spec.needed_before,
+        transport=spec.transport,
     )

@@ -101,6 +101,7 @@ async def test_an_interrupted_download_resumes_where_it_stopped(tmp_path: Path) 
     """The agent asks only for the missing bytes (HTTP Range) and reports its progress."""
     from aiohttp import web
 
+    from agent.security.transport import PLAINTEXT
     from agent.serving.stage_files import StageFiles
 
     blob = bytes(range(256)) * 4096  # 1 MiB
@@ -117,7 +118,7 @@ async def test_an_interrupted_download_resumes_where_it_stopped(tmp_path: Path) 
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     port = runner.addresses[0][1]
-    files = StageFiles()
+    files = StageFiles(transport=PLAINTEXT)
     part = tmp_path / "partial.bin"
     part.write_bytes(blob[:300_000])  # what arrived before the link dropped
     try:

@@ -248,6 +248,7 @@ def test_an_agent_that_hangs_up_on_its_assignment_is_named_with_its_close_code(t
     from aiohttp import web
 
     from agent.common import aio
+    from agent.security.transport import PLAINTEXT
     from coordinator.lab.local_cluster import free_port
     from coordinator.ring.pipeline import Pipeline, PipelineError, StagePlacement
 
@@ -269,7 +270,11 @@ def test_an_agent_that_hangs_up_on_its_assignment_is_named_with_its_close_code(t
         await web.TCPSite(runner, "127.0.0.1", port).start()
         node = f"127.0.0.1:{port}"
         p = Pipeline(
-            [StagePlacement(node, tmp_path)], export_id="x", return_url="ws://127.0.0.1:1/r", artifacts_url="http://x"
+            [StagePlacement(node, tmp_path)],
+            export_id="x",
+            return_url="ws://127.0.0.1:1/r",
+            artifacts_url="http://x",
+            transport=PLAINTEXT,
         )
         try:
             await asyncio.wait_for(p.async_start(timeout=10), 20)

@@ -125,7 +125,7 @@ async def test_steps_are_published_as_they_happen_and_a_late_subscriber_gets_the
     prep = Preparer("qwen2.5-coder-1.5b")
     hub = EventHub(lambda: replace(V, preparing=prep.current), interval=0.05)
     prep.publish = hub.publish
-    hub.start()
+    await hub.async_start()
     early = hub.subscribe()
     assert isinstance(await early.get(), Snapshot)
     loop = asyncio.get_running_loop()
@@ -363,7 +363,7 @@ async def test_the_local_relay_passes_on_every_percent_the_hub_diffs() -> None:
 
     ticks = iter(range(1000))
     hub = EventHub(lambda: replace(V, preparing=replace(EXPORTING, percent=float(min(next(ticks), 100)))))
-    hub.start()
+    await hub.async_start()
     app = web.Application()
     add_local_routes(app, _Here(hub))
     runner = web.AppRunner(app)

@@ -152,7 +152,7 @@ def test_streams_are_counted_between_two_reads() -> None:
 async def test_a_subscriber_that_falls_behind_gets_a_snapshot_not_a_backlog() -> None:
     view = V
     hub = EventHub(lambda: view, interval=0.01)
-    hub.start()
+    await hub.async_start()
     try:
         fast, slow = hub.subscribe(), hub.subscribe()
         assert isinstance(await fast.get(), Snapshot)
@@ -187,7 +187,7 @@ async def test_a_stopped_hub_ends_its_subscriptions() -> None:
     from agent.api.events import HubClosed
 
     hub = EventHub(lambda: V, interval=0.01)
-    hub.start()
+    await hub.async_start()
     sub = hub.subscribe()
     assert isinstance(await sub.get(), Snapshot)
     waiting = asyncio.ensure_future(sub.get())
