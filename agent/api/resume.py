@@ -30,6 +30,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from agent.common.http import api_error
+
 log = logging.getLogger(__name__)
 RESUME_HEADER = "X-Lakeshard-Resume"
 RESUME_WAIT_S = 90.0  # how long an answer waits for the cluster to answer again
@@ -248,8 +250,7 @@ async def _relay(
 
 
 def _no_coordinator(why: str) -> web.Response:
-    err = {"message": f"the coordinator did not answer: {why}", "type": "server_error", "code": "no_coordinator"}
-    return web.json_response({"error": err}, status=503)
+    return api_error(503, f"the coordinator did not answer: {why}", "no_coordinator")
 
 
 async def _as_is(up: aiohttp.ClientResponse) -> web.StreamResponse:

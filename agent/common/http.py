@@ -13,7 +13,7 @@ from aiohttp import web
 LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
-def api_error(status: int, message: str, code: str, kind: str = "server_error") -> web.Response:
+def api_error(status: int, message: str, code: str | None, kind: str = "server_error") -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "code": code}}, status=status)
 
 

@@ -41,6 +41,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from agent.common.http import api_error
 from agent.security.credentials import Credentials, NotMember
 from agent.security.errors import SecurityError
 
@@ -226,10 +227,12 @@ async def peer_middleware(request: web.Request, handler: Handler) -> web.StreamR
             peer = t.peer(request.transport.get_extra_info("ssl_object") if request.transport else None)
         except SecurityError as e:
             log.warning("refused %s %s from %s: %s", request.method, request.path, request.remote, e)
-            raise web.HTTPForbidden(text=f"refused: {e}") from None
+            return api_error(403, f"refused: {e}", "refused", "invalid_request_error")
         if peer is None and request.path not in PUBLIC_PATHS:
             log.warning("refused %s %s from %s: no node certificate", request.method, request.path, request.remote)
-            raise web.HTTPForbidden(text="a node certificate of this cluster is required")
+            return api_error(
+                403, "a node certificate of this cluster is required", "no_certificate", "invalid_request_error"
+            )
         if peer is not None:
             request["peer"] = peer
             conn = request.transport

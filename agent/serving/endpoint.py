@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from agent.common.http import json_errors
 from agent.protocol import (
     MAX_FRAME,
     Assign,
@@ -158,7 +159,7 @@ def make_app(
     ``transport``: what its port serves and its links use (the app's ``TRANSPORT_KEY``, which
     :func:`agent.security.transport.peer_middleware` reads); ``fence``: who may assign this agent
     a stage (None: anyone who reaches it, in a newer term)."""
-    app = web.Application(client_max_size=MAX_FRAME, middlewares=list(middlewares))
+    app = web.Application(client_max_size=MAX_FRAME, middlewares=[json_errors, *middlewares])
     app[TRANSPORT_KEY] = transport
     app[FENCE] = fence
     app[HOST] = host

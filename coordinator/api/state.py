@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from agent.api.events import EventHub
+from agent.common.http import api_error
 from agent.runtime.tokenizer import ChatTokenizer
 from coordinator.api.limits import Limiter
 from coordinator.batching.scheduler import Scheduler
@@ -31,4 +32,4 @@ STATE = web.AppKey("api_state", ApiState)
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "code": code}}, status=status)
+    return api_error(status, message, code, kind)

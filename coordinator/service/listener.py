@@ -20,6 +20,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from agent.common.http import json_errors
 from agent.protocol import MAX_FRAME
 from agent.security.transport import TRANSPORT_KEY, Transport, peer_middleware
 from agent.serving.link import HEARTBEAT_S
@@ -106,7 +107,7 @@ class DataListener:
         bind = self.bind_host
         self.host = self.advertise_host or (bind if bind not in ("0.0.0.0", "::") else socket.gethostname())
         # node traffic (the ring's return, stage files): TLS with peer certificates when secure
-        app = web.Application(client_max_size=MAX_FRAME, middlewares=[peer_middleware])
+        app = web.Application(client_max_size=MAX_FRAME, middlewares=[json_errors, peer_middleware])
         app[TRANSPORT_KEY] = self.transport
         app.router.add_get("/ring", self._ring)
         app.router.add_get(r"/artifacts/{export}/{stage:\d+}/{name}", self._artifact)

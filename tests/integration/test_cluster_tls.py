@@ -120,6 +120,9 @@ def test_no_certificate_only_the_public_routes(secure: Secure) -> None:
     ctx.check_hostname = False
     got = exchange(secure.ca.port, ctx)
     assert isinstance(got, bytes) and got.startswith(b"HTTP/1.1 403"), got
+    assert b'"code": "no_certificate"' in got  # the JSON error shape of every lakeshard API
+    got = exchange(secure.ca.port, ctx, "/v1/cluster/no-such-route")
+    assert isinstance(got, bytes) and got.startswith(b"HTTP/1.1 403"), got  # refused before routing
     got = exchange(secure.ca.port, ctx, "/v1/cluster/ca")  # what a joiner asks first
     assert isinstance(got, bytes) and got.startswith(b"HTTP/1.1 200"), got
 
