@@ -148,15 +148,18 @@ class PagedStage:
         properties: dict[str, Any] | None = None,
         num_blocks: int | None = None,
         kv_bytes: int = DEFAULT_KV_BYTES,
+        max_step_tokens: int | None = None,
     ) -> None:
         """``properties`` override the compile properties of :func:`compile_properties`;
-        the pool holds ``num_blocks`` blocks, else as many as fit in ``kv_bytes``."""
+        the pool holds ``num_blocks`` blocks, else as many as fit in ``kv_bytes``; a step of
+        more than ``max_step_tokens`` tokens (the scheduler's budget) is refused."""
         self.dir = Path(stage_dir)
         self.manifest: dict[str, Any] = json.loads((self.dir / "manifest.json").read_text())
         st = self.manifest["stage"]
         self.index, self.first, self.last = int(st["index"]), bool(st["first"]), bool(st["last"])
         self.hidden_size = int(self.manifest["hidden_size"])
         self.vocab_size = int(self.manifest["vocab_size"])
+        self.max_step_tokens = max_step_tokens
         self.device = choose_device(device)
         kind = self.device.split(".")[0].upper()
         if attention_path(self.device, override="") != "paged":
@@ -235,6 +238,8 @@ class PagedStage:
         if not entries:
             raise StageError("an empty step")
         sizes = [self._check(e) for e in entries]
+        if self.max_step_tokens is not None and sum(sizes) > self.max_step_tokens:
+            raise StageError(f"a step of {sum(sizes)} tokens is over this stage's budget of {self.max_step_tokens}")
         wants = [e.logits if self.last else 0 for e in entries]
         with self._lock:
             try:

@@ -146,6 +146,7 @@ def test_bad_steps_are_clear_errors_and_the_other_streams_continue(
 ) -> None:
     chain = paged[1]
     stage = chain.stages[0]
+    stage.max_step_tokens = 64
     want = _greedy_one(chain, prompts[1], 4).tokens
     chain.open_stream(1)
     first = chain.step([Entry(1, np.asarray(prompts[1], dtype=np.int64))])
@@ -159,6 +160,7 @@ def test_bad_steps_are_clear_errors_and_the_other_streams_continue(
         "int64 \\[n\\]": [Entry(1, last.astype(np.int32))],
         "2 logits asked of 1": [Entry(1, last, 2)],
         "empty step": [],
+        "over this stage's budget of 64": [Entry(1, last), Entry(2, np.ones(64, dtype=np.int64))],
     }
     for message, entries in bad.items():
         with pytest.raises(StageError, match=message):
@@ -169,6 +171,7 @@ def test_bad_steps_are_clear_errors_and_the_other_streams_continue(
         assert res.token_ids is not None
         toks.append(int(res.token_ids[-1]))
     chain.close_stream(1)
+    stage.max_step_tokens = None
     assert toks == want and chain.free_blocks == 128
 
 
