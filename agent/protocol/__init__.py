@@ -1,12 +1,14 @@
 """Every wire and control message, typed and frozen, in one package, with the frame codec.
 
 ``codec``: the frame format, field checks and the type registry; ``data``: the ring's
-messages (fwd, ids, passed, close, error, assign); ``head``: the head-part request and answer;
+messages (fwd, ids, passed, close, error, assign); ``batch``: micro-batches of many streams for paged stages;
+``head``: the head-part request and answer;
 ``control``: agent-to-agent beats and votes (signed in a :class:`Sealed` envelope in a
 cluster with credentials); ``probe``: link round trips; ``events``: the
 cluster event stream (JSON, for node maps and trays).
 """
 
+from agent.protocol.batch import Batch, BatchIds, Part, batch_rows
 from agent.protocol.codec import (
     DTYPES,
     MAGIC,
@@ -36,6 +38,8 @@ __all__ = [
     "Ack",
     "Assign",
     "Assigned",
+    "Batch",
+    "BatchIds",
     "Beat",
     "Close",
     "DeviceOffer",
@@ -45,6 +49,7 @@ __all__ = [
     "HeadTop",
     "Ids",
     "Message",
+    "Part",
     "Passed",
     "Ping",
     "Pong",
@@ -54,6 +59,7 @@ __all__ = [
     "StageReport",
     "Vote",
     "VoteRequest",
+    "batch_rows",
     "decode",
     "encode",
     "tensor",
