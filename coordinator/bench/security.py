@@ -265,7 +265,7 @@ async def _fuzz(
     async with hostile:
         name_streams(coord, hostile)
         until = asyncio.Event()
-        runner = asyncio.create_task(healthy(coord, prompt, 32, reference, until))
+        runner = asyncio.create_task(healthy(coord, prompt, 32, reference, until, hostile.reveal))
         frames = hostile_frames(seed, coord.cfg.term, hidden, victim=VICTIM_MARK)
         t0 = time.monotonic()
         for i in range(n):

@@ -16,7 +16,7 @@ import contextlib
 import itertools
 import secrets
 import ssl
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -54,7 +54,7 @@ class Hostile:
         self._turn = itertools.cycle(range(len(urls)))
         self._clock = itertools.count(1)
         self.victim: str | None = None  # the healthy stream's id, swapped in for VICTIM_MARK
-        self.victim_at = 0.0  # when it became known (monotonic)
+        self.pending: str | None = None  # the next one, not yet seen on the wire
 
     async def __aenter__(self) -> Hostile:
         connector = aiohttp.TCPConnector(ssl=self.ssl_ctx) if self.ssl_ctx else None
@@ -84,9 +84,7 @@ class Hostile:
         ``linger``: then read errors for that much longer (those of the compute thread come later)."""
         i = next(self._turn)
         ws = await self._conn(i)
-        # an eavesdropper learns a stream's id from its start frame, so only once that has been sent:
-        # frames race it for the first 0.2 s (a plaintext peer that wins that race could squat the id)
-        if self.victim is not None and isinstance(frame, bytes) and time.monotonic() - self.victim_at > 0.2:
+        if self.victim is not None and isinstance(frame, bytes):
             frame = frame.replace(VICTIM_MARK.encode(), self.victim.encode())
         self.tally.sent += 1
         mark = float(next(self._clock))
@@ -123,6 +121,16 @@ class Hostile:
             except TimeoutError:
                 pass
 
+    def reveal(self) -> None:
+        """The pending stream's start has reached every stage: from now on frames aim at it.
+
+        An eavesdropper learns a stream's id from its start frame on the wire, as the next stage
+        receives it, so it can never name a stream on a stage before the stream's own start is
+        there. (A plaintext peer that knew an id earlier could claim it on a stage the start has
+        not reached yet: in a loaded run, 0.2 s after the id was made was not always enough,
+        and such a claim failed the healthy request; mutual TLS keeps non-members off the links.)"""
+        self.victim = self.pending
+
     def _count(self, msg: object) -> None:
         if isinstance(msg, Error):
             self.tally.errors += 1
@@ -136,30 +144,44 @@ def name_streams(coord: Coordinator, hostile: Hostile) -> None:
     pipeline = coord.pipeline
 
     def new_stream() -> str:
-        hostile.victim, hostile.victim_at = "victim-" + secrets.token_hex(8), time.monotonic()
-        return hostile.victim
+        hostile.pending = "victim-" + secrets.token_hex(8)
+        return hostile.pending
 
     pipeline.new_stream = new_stream  # type: ignore[method-assign]
 
 
-async def generate(coord: Coordinator, prompt: list[int], tokens: int) -> list[int]:
+async def generate(
+    coord: Coordinator, prompt: list[int], tokens: int, first: Callable[[], None] | None = None
+) -> list[int]:
+    """A greedy request's tokens; ``first`` is called when its first token is back (its start
+    has passed every stage)."""
     assert coord.scheduler is not None
     req = GenRequest(prompt=tuple(prompt), max_tokens=tokens)
-    return [t async for t in coord.scheduler.async_generate(req)]
+    out: list[int] = []
+    async for t in coord.scheduler.async_generate(req):
+        if not out and first is not None:
+            first()
+        out.append(t)
+    return out
 
 
 async def healthy(
-    coord: Coordinator, prompt: list[int], tokens: int, reference: list[int], until: asyncio.Event
+    coord: Coordinator,
+    prompt: list[int],
+    tokens: int,
+    reference: list[int],
+    until: asyncio.Event,
+    seen: Callable[[], None] | None = None,
 ) -> tuple[int, list[str]]:
     """Greedy requests one after another until ``until`` is set (at least one): how many ran, and
     how each run that differed from ``reference`` differed (an exception, or the first token that
     differs), so that a failure says whether the fuzzing reached the stream or the machine's load
-    made a request fail."""
+    made a request fail. ``seen``: called as each run's first token is back (:meth:`Hostile.reveal`)."""
     differ: list[str] = []
     runs = 0
     while runs == 0 or not until.is_set():
         try:
-            got = await generate(coord, prompt, tokens)
+            got = await generate(coord, prompt, tokens, seen)
         except Exception as e:
             differ.append(f"run {runs}: failed: {type(e).__name__}: {e}")
         else:

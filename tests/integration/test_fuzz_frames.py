@@ -186,7 +186,9 @@ def test_live_stages_survive_fuzzing_and_a_healthy_stream_is_untouched(ring: Rin
     reference = ring.call(generate(ring.coord, prompt, 32))
     assert len(reference) == 32
     until = asyncio.Event()
-    runner = asyncio.run_coroutine_threadsafe(healthy(ring.coord, prompt, 32, reference, until), ring.loop)
+    runner = asyncio.run_coroutine_threadsafe(
+        healthy(ring.coord, prompt, 32, reference, until, ring.hostile.reveal), ring.loop
+    )
 
     @settings(FUZZ, max_examples=3000, deadline=timedelta(seconds=30))
     @given(st.data())
