@@ -20,7 +20,8 @@ from coordinator.api.limits import (
     retry_after,
     take,
 )
-from tests.conftest import Served, run_cli
+from tests.support.cli import run_cli
+from tests.support.served import Served
 
 
 class Clock:

@@ -33,7 +33,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from agent.security import SecurityError, ca_store, cluster, files, join, pki, revocation, tokens
 from agent.security.ca_store import Refused
 from agent.security.credentials import Credentials
-from tests.conftest import REPO, run_cli
+from tests.support.cli import REPO, run_cli
 from tests.support.members import join_request, make_member
 
 NODE_A, NODE_B, NODE_C = "aaaaaaaaaaaa", "bbbbbbbbbbbb", "cccccccccccc"

@@ -27,8 +27,9 @@ from agent.security.credentials import Credentials
 from agent.security.errors import SecurityError
 from agent.security.transport import Transport
 from coordinator.lab.local_cluster import LocalCluster, free_port
-from tests.conftest import Served, chat, post_chat, run_cli
+from tests.support.cli import run_cli
 from tests.support.members import Home, exchange, make_member
+from tests.support.served import Served, chat, post_chat
 
 PROMPT = "Name three colours of the rainbow."
 SERVE_ARGS = ("--model", "smollm2-135m", "--weights", "int8")

@@ -138,7 +138,7 @@ def test_each_agent_process_writes_its_own_log_file(isolated_home: Path) -> None
     """An agent on another data port keeps its state and its log apart from the default one's:
     its corrupt term file stops only it, and says so in its own log file."""
     from coordinator.lab.local_cluster import free_port
-    from tests.conftest import run_cli
+    from tests.support.cli import run_cli
 
     port = free_port()
     (isolated_home / "state" / f"port-{port}").mkdir(parents=True)
@@ -163,7 +163,7 @@ def test_each_agent_process_writes_its_own_log_file(isolated_home: Path) -> None
 
 
 def test_a_corrupt_term_file_stops_the_agent_with_a_clear_error(isolated_home: Path) -> None:
-    from tests.conftest import run_cli
+    from tests.support.cli import run_cli
 
     (isolated_home / "state").mkdir(parents=True)
     (isolated_home / "state" / "term.json").write_text("{garbage")

@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 from coordinator.batching.scheduler import prefill_chunks
-from tests.conftest import PROMPTS, Served, chat, post_chat
+from tests.support.prompts import PROMPTS
 from tests.support.reference import reference_answer
+from tests.support.served import Served, chat, post_chat
 
 
 def _head_steps(node: str) -> int:
@@ -318,8 +319,6 @@ def test_a_huge_prompt_is_refused_without_holding_up_the_api(served3: Served, me
 
 def test_serve_exits_within_a_second_of_sigterm_ending_streams_with_an_error(smollm2) -> None:  # type: ignore[no-untyped-def]
     import openai
-
-    from tests.conftest import Served
 
     s = Served(2, "--model", "smollm2-135m", "--weights", "int8")
     try:

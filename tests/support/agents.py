@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.lab.local_cluster import free_port
-from tests.conftest import REPO
+from tests.support.cli import REPO
 
 
 class Agent:

@@ -23,8 +23,9 @@ from typing import Any
 import pytest
 
 from coordinator.lab.local_cluster import LocalCluster
-from tests.conftest import post_chat, run_cli
+from tests.support.cli import run_cli
 from tests.support.figures import report
+from tests.support.served import post_chat
 
 pytestmark = pytest.mark.timeout(900)
 NAMES = ["alice-laptop", "bob-laptop", "carol-laptop"]

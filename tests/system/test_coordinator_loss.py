@@ -25,8 +25,8 @@ import pytest
 
 from agent.node.capacity import probe
 from coordinator.lab.local_cluster import LocalCluster
-from tests.conftest import PROMPTS
 from tests.support.figures import report
+from tests.support.prompts import PROMPTS
 
 SERVE = ["--serve-model", "smollm2-135m", "--serve-weights", "int8", "--serve-exact", "--serve-api-port", "0"]
 TOKENS = 120

@@ -22,8 +22,8 @@ from agent.common.config import ConfigError, parse
 from agent.security import files
 from agent.security.credentials import Credentials
 from agent.security.transport import NO_CLUSTER_HINT
-from tests.conftest import run_cli
 from tests.support.agents import Agent, until
+from tests.support.cli import run_cli
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -18,8 +18,8 @@ import pytest
 from agent.common.paths import cache_dir
 from coordinator.lab import netns
 from coordinator.lab.agents import DATA_PORT, AgentLab, agreed
-from tests.conftest import PROMPTS
 from tests.support.figures import report
+from tests.support.prompts import PROMPTS
 from tests.support.reference import reference_answer
 
 pytestmark = pytest.mark.skipif(netns.available() is not None, reason=netns.available() or "")

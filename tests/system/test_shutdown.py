@@ -27,7 +27,7 @@ import psutil
 import pytest
 
 from coordinator.lab.local_cluster import LocalCluster, free_port
-from tests.conftest import REPO
+from tests.support.cli import REPO
 from tests.support.figures import report
 
 pytestmark = pytest.mark.timeout(900)

@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 
 from coordinator.lab.local_cluster import LocalCluster, free_port
-from tests.conftest import REPO, post_chat
+from tests.support.cli import REPO
 from tests.support.figures import report
+from tests.support.served import post_chat
 from tests.support.xserver import missing, touch, wait_for, xvfb
 
 TOOLS = missing("Xvfb", "xdotool")

@@ -23,9 +23,9 @@ from gui.chat.store import Store
 from gui.chat.window import ChatWindow
 from gui.client import Client
 from gui.tray import TrayApp
-from tests.conftest import post_chat
 from tests.support.figures import report
 from tests.support.qt import run, until
+from tests.support.served import post_chat
 
 pytestmark = pytest.mark.timeout(900)
 

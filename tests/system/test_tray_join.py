@@ -21,9 +21,9 @@ from coordinator.lab.local_cluster import free_port
 from gui.client import Client
 from gui.state import TrayState, waiting_for_cluster
 from gui.tray import TrayApp
-from tests.conftest import run_cli
 from tests.support.agents import Agent
 from tests.support.agents import until as wait_for
+from tests.support.cli import run_cli
 from tests.support.figures import report
 from tests.support.qt import run, until
 

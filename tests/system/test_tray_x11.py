@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.lab.local_cluster import free_port
-from tests.conftest import REPO
+from tests.support.cli import REPO
 from tests.support.xserver import missing, wait_for, xvfb
 
 MISSING = missing("Xvfb", "trayer", "xdotool", "xwininfo", "import")
