@@ -22,6 +22,7 @@ from coordinator.api.limits import (
 )
 from tests.support.cli import run_cli
 from tests.support.served import Served
+from tests.support.wait import wait_until
 
 
 class Clock:
@@ -461,29 +462,36 @@ def test_over_the_concurrency_cap_429_until_the_open_stream_is_dropped(one_at_a_
     assert [m.id for m in client.models.list().data] == ["smollm2-135m"]  # needs no slot
     other = _client(one_at_a_time, "10.9.0.3")  # another client has its own slot
     assert other.chat.completions.create(model="smollm2-135m", messages=MSGS, max_tokens=2).choices  # type: ignore[arg-type]
+
+    def slot(**kw: Any) -> Any:
+        """A request of this client (its answer), or None while it is refused for want of a slot."""
+        try:
+            return client.chat.completions.create(model="smollm2-135m", messages=MSGS, **kw)  # type: ignore[arg-type]
+        except openai.RateLimitError as busy:
+            assert busy.code == "too_many_concurrent_requests", busy  # any other refusal fails at once
+            return None
+
     stream.close()  # the client hangs up mid-answer
     t0 = time.monotonic()
-    while True:
-        try:
-            again = client.chat.completions.create(model="smollm2-135m", messages=MSGS, stream=True, max_tokens=2000)  # type: ignore[arg-type]
-            break
-        except openai.RateLimitError as busy:
-            assert busy.code == "too_many_concurrent_requests"
-            assert time.monotonic() - t0 < 1.0, "the dropped stream still holds its slot"
-            time.sleep(0.02)
+    again = wait_until(
+        lambda: slot(stream=True, max_tokens=2000),
+        1.0,
+        what="the dropped stream's slot to be free",
+        ok=lambda r: r is not None,
+        step=0.02,
+    )
     took = time.monotonic() - t0
     assert took < 1.0
     assert next(iter(again)).choices  # the new request is being answered
     again.close()
     # the slot is back again after that one too (nothing leaks)
-    deadline = time.monotonic() + 1.0
-    while True:
-        try:
-            last = client.chat.completions.create(model="smollm2-135m", messages=MSGS, max_tokens=2)  # type: ignore[arg-type]
-            break
-        except openai.RateLimitError:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+    last = wait_until(
+        lambda: slot(max_tokens=2),
+        1.0,
+        what="the slot back after the second stream",
+        ok=lambda r: r is not None,
+        step=0.02,
+    )
     assert last.choices
 
 

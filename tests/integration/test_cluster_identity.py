@@ -35,6 +35,7 @@ from agent.security.ca_store import Refused
 from agent.security.credentials import Credentials
 from tests.support.cli import REPO, run_cli
 from tests.support.members import join_request, make_member
+from tests.support.wait import wait_until
 
 NODE_A, NODE_B, NODE_C = "aaaaaaaaaaaa", "bbbbbbbbbbbb", "cccccccccccc"
 
@@ -363,16 +364,11 @@ class Member:
         cmd += ["--api-port", "0", "--no-mdns", "--device", "CPU", "--standalone", "--throttle", "off", "--insecure"]
         env = {**os.environ, "PYTHONWARNINGS": "ignore", **self.env}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=REPO)
-        deadline = time.monotonic() + 60
-        while True:
-            assert self.proc.poll() is None, "the agent exited"
-            try:
-                if self.get("/v1/cluster/ca")[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "the agent did not start"
-            time.sleep(0.2)
+        wait_until(self._answers, 60, what="the agent to answer", ignore=(OSError,))
+
+    def _answers(self) -> bool:
+        assert self.proc.poll() is None, "the agent exited"
+        return self.get("/v1/cluster/ca")[0] == 200
 
     @property
     def folder(self) -> Path:

@@ -45,8 +45,9 @@ from agent.security.datagrams import Plain, Receiver, Signed, sealed
 from agent.security.transport import Transport
 from coordinator.lab.local_cluster import LocalCluster, free_port
 from tests.support.members import Home, make_member
-from tests.support.udp import agreed, until
+from tests.support.udp import agreed, async_agreement
 from tests.support.udp import ask as _ask_udp
+from tests.support.wait import async_wait_until, wait_until
 
 
 async def send(port: int, frame: bytes, wait: float = 0.4) -> bytes | None:
@@ -148,8 +149,7 @@ def _opened(frame: bytes) -> tuple[Sealed, Message]:
 
 async def test_signed_trio_elects_one_coordinator(trio: Trio) -> None:
     es = trio.electors
-    await until(lambda: agreed(es) is not None)
-    leader = agreed(es)
+    leader = await async_agreement(es)
     assert sum(e.role is Role.COORDINATOR for e in es) == 1
     await asyncio.sleep(1.0)  # a second of beats and acknowledgements
     # every datagram on the wire is signed (the tap, never heard from, gets the certificate each time)
@@ -178,8 +178,7 @@ async def test_forged_foreign_revoked_impersonating_and_replayed_refused(
     trio: Trio, pki: Pki, caplog: pytest.LogCaptureFixture
 ) -> None:
     es = trio.electors
-    await until(lambda: agreed(es) is not None)
-    leader = agreed(es)
+    leader = await async_agreement(es)
     follower = next(e for e in es if e.role is Role.FOLLOWER)
     term, cid = follower.store.state.term, pki.cluster
     recorded = next(
@@ -222,7 +221,12 @@ async def test_forged_foreign_revoked_impersonating_and_replayed_refused(
     for what, code, frame in cases:
         before = follower.datagrams.refused[code]
         assert await send(follower.me.port, frame) is None, what  # no answer to a refused datagram
-        await until(lambda c=code, b=before: follower.datagrams.refused[c] > b, timeout=2)  # type: ignore[misc]
+        await async_wait_until(
+            lambda c=code: follower.datagrams.refused[c],  # type: ignore[misc]
+            2,
+            what=f"{what} counted as refused ({code})",
+            ok=lambda n, b=before: n > b,  # type: ignore[misc]
+        )
         assert any(f"[{code}," in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records), what
         assert follower.store.state.term == term and agreed(es) == leader, what
     assert not {"usurper", pki.revoked.node_id, pki.outsider.node_id} & set(follower.peers)
@@ -230,10 +234,12 @@ async def test_forged_foreign_revoked_impersonating_and_replayed_refused(
     # a valid datagram of a member is taken once; the same bytes again, or an older term after, are not
     ok = _seal(imp, _beat(cid, imp.node_id, term, "follower"))
     await send(follower.me.port, ok)
-    await until(lambda: imp.node_id in follower.peers, timeout=2)
+    await async_wait_until(lambda: imp.node_id in follower.peers, 2, what="the member's valid beat taken")
     await send(follower.me.port, ok)
     await send(follower.me.port, _seal(imp, _beat(cid, imp.node_id, term - 1, "follower")))
-    await until(lambda: follower.datagrams.refused["stale_term"] == 1, timeout=2)
+    await async_wait_until(
+        lambda: follower.datagrams.refused["stale_term"], 2, what="the older term refused", ok=lambda n: n == 1
+    )
     assert follower.datagrams.refused["replay"] == 2
     st = follower.status()
     assert st["election_traffic"]["refused"]["unsigned"] == 1 and st["datagrams_ignored"] >= len(cases) + 2
@@ -241,8 +247,7 @@ async def test_forged_foreign_revoked_impersonating_and_replayed_refused(
 
 async def test_old_term_beat_replayed_after_failover(trio: Trio) -> None:
     es = trio.electors
-    await until(lambda: agreed(es) is not None)
-    first = agreed(es)
+    first = await async_agreement(es)
     old = next(e for e in es if e.me.node == first)
     term = old.store.state.term
     recorded = [f for f in trio.tapped if (x := _opened(f))[0].node == first and isinstance(x[1], Beat)]
@@ -250,12 +255,17 @@ async def test_old_term_beat_replayed_after_failover(trio: Trio) -> None:
     old._task.cancel()  # a crash: the socket goes quiet
     old._transport.close()
     rest = [e for e in es if e is not old]
-    await until(lambda: agreed(rest) not in (None, first))
+    await async_agreement(rest, besides=first)
     now = {e.me.node: (e.store.state.term, e.leader()) for e in rest}
     assert all(t > term for t, _ in now.values())
     for e in rest:
         await send(e.me.port, recorded[-1])  # the old coordinator's last beat, of an older term
-        await until(lambda e=e: e.datagrams.refused["replay"] >= 1, timeout=2)  # type: ignore[misc]
+        await async_wait_until(
+            lambda e=e: e.datagrams.refused["replay"],  # type: ignore[misc]
+            2,
+            what=f"the replay refused by {e.me.node}",
+            ok=lambda n: n >= 1,
+        )
     await asyncio.sleep(0.3)
     assert {e.me.node: (e.store.state.term, e.leader()) for e in rest} == now
 
@@ -283,7 +293,12 @@ async def test_plaintext_and_signed_nodes_ignore_each_other(pki: Pki, tmp_path: 
     for e in (plain, secure):
         await e.async_start("127.0.0.1")
     try:
-        await until(lambda: plain.leader() == "plainnode" and secure.leader() == m.node_id)
+        await async_wait_until(
+            lambda: (plain.leader(), secure.leader()),
+            15,
+            what="each coordinating alone",
+            ok=lambda v: v == ("plainnode", m.node_id),
+        )
         await asyncio.sleep(0.5)
         assert plain.datagrams.refused["signed"] > 0 and secure.datagrams.refused["unsigned"] > 0
         assert not plain.peers and not secure.peers
@@ -366,15 +381,14 @@ def test_assignments_only_from_the_elected_coordinator(pki: Pki, tmp_path: Path)
         creds.append(make_member(pki.ca, files.security_dir(h.security), h.node()))
     envs = [{**h.env, "LAKESHARD_SHARED_CACHE": str(tmp_path / "cache")} for h in homes]
     with LocalCluster(2, elect=["--device", "CPU"], agent_envs=envs, ports=[h.port for h in homes], secure=True) as c:
-        deadline = time.monotonic() + 60
-        while True:
-            views = [_get(p, "/v1/cluster") for p in c.api_ports]
-            leaders = {v.get("coordinator") for v in views}
-            if len(leaders) == 1 and None not in leaders:
-                break
-            assert time.monotonic() < deadline, views
-            time.sleep(0.3)
-        leader = leaders.pop()
+        views = wait_until(
+            lambda: [_get(p, "/v1/cluster") for p in c.api_ports],
+            60,
+            what="both agents to follow one coordinator",
+            ok=lambda vs: len({v.get("coordinator") for v in vs}) == 1 and vs[0].get("coordinator") is not None,
+            step=0.3,
+        )
+        leader = views[0]["coordinator"]
         for v in views:  # signed beats between the two, none refused but while certificates were learnt
             traffic = v["election_traffic"]
             assert traffic["mode"] == "signed" and set(traffic["refused"]) <= {"unknown_cert"}, v  # type: ignore[index]

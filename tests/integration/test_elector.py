@@ -20,7 +20,8 @@ from agent.cluster.node_state import TermStore
 from agent.cluster.peers import LocalNode
 from agent.common.config import Settings
 from agent.protocol import Ack, Beat, DeviceOffer, Vote, VoteRequest, decode, encode
-from tests.support.udp import agreed, ask, until
+from tests.support.udp import agreed, ask, async_agreement, views
+from tests.support.wait import async_wait_until
 
 GB = 1024**3
 
@@ -60,8 +61,7 @@ def _beat(cluster: str, node: str, term: int, role: str = "coordinator") -> byte
 
 
 async def test_one_coordinator_then_failover_with_a_higher_term(trio: list[Elector]) -> None:
-    await until(lambda: agreed(trio) is not None)
-    first = agreed(trio)
+    first = await async_agreement(trio)
     old = next(e for e in trio if e.me.node == first)
     term = old.store.state.term
     # a crash: no goodbye, the socket just goes quiet
@@ -69,7 +69,7 @@ async def test_one_coordinator_then_failover_with_a_higher_term(trio: list[Elect
     old._task.cancel()
     old._transport.close()
     rest = [e for e in trio if e is not old]
-    await until(lambda: agreed(rest) not in (None, first))
+    await async_agreement(rest, besides=first)
     assert all(e.store.state.term > term for e in rest)
     # each survivor admitted one coordinator per term
     for e in rest:
@@ -79,7 +79,7 @@ async def test_one_coordinator_then_failover_with_a_higher_term(trio: list[Elect
 
 
 async def test_stale_and_foreign_commands_are_refused(trio: list[Elector]) -> None:
-    await until(lambda: agreed(trio) is not None)
+    await async_agreement(trio)
     follower = next(e for e in trio if e.role.value == "follower")
     term = follower.store.state.term
     reply = await ask(follower.me.port, _beat("t", "usurper", term - 1))
@@ -100,11 +100,10 @@ async def test_stale_and_foreign_commands_are_refused(trio: list[Elector]) -> No
 
 
 async def test_a_paused_coordinator_hands_over(trio: list[Elector]) -> None:
-    await until(lambda: agreed(trio) is not None)
-    first = agreed(trio)
+    first = await async_agreement(trio)
     coord = next(e for e in trio if e.me.node == first)
     coord.me.state = "paused"
-    await until(lambda: agreed(trio) not in (None, first))
+    await async_agreement(trio, besides=first)
     assert coord.status()["not_eligible_because"] == "paused"
 
 
@@ -122,9 +121,8 @@ async def test_beats_carry_each_devices_offer(trio: list[Elector]) -> None:
         p = trio[1].peers.get("n0")
         return p.beat if p is not None and p.beat is not None and p.beat.offers else None
 
-    await until(lambda: heard() is not None)
-    b = heard()
-    assert b is not None and b.mem_free == 8 * GB and b.score == 10.0
+    b = await async_wait_until(heard, 15, what="n0's beat with its offers at n1")
+    assert b.mem_free == 8 * GB and b.score == 10.0
     assert b.offers == (
         DeviceOffer("CPU", 10.0, 8 * GB),
         DeviceOffer("GPU", 30.0, 8 * GB),
@@ -143,8 +141,7 @@ def _fenced(es: list[Elector]) -> None:
 
 
 async def test_three_agents_started_together_settle_within_two_terms(trio: list[Elector]) -> None:
-    await until(lambda: agreed(trio) is not None)
-    coord = agreed(trio)
+    coord = await async_agreement(trio)
     # a few more beats and timeouts: nobody stands again once a coordinator is heard
     await asyncio.sleep(3 * trio[0].timing.peer_timeout_s)
     assert agreed(trio) == coord
@@ -168,16 +165,19 @@ def _resume(e: Elector) -> None:
 
 
 async def test_a_coordinator_back_from_a_stall_follows_its_successor(trio: list[Elector]) -> None:
-    await until(lambda: agreed(trio) is not None)
-    first = agreed(trio)
+    first = await async_agreement(trio)
     old = next(e for e in trio if e.me.node == first)
     rest = [e for e in trio if e is not old]
     _stall(old)
-    await until(lambda: agreed(rest) not in (None, first))
-    successor = agreed(rest)
+    successor = await async_agreement(rest, besides=first)
     term = max(e.store.state.term for e in rest)
     _resume(old)  # it reads the election it missed (a candidate's beats and vote request) first
-    await until(lambda: agreed(trio) is not None and old.role is Role.FOLLOWER)
+    await async_wait_until(
+        lambda: agreed(trio) is not None and old.role is Role.FOLLOWER,
+        15,
+        what="the old coordinator following, all three agreed",
+        diagnose=lambda: views(trio),
+    )
     await asyncio.sleep(3 * old.timing.peer_timeout_s)
     assert agreed(trio) == successor  # the one elected meanwhile keeps coordinating...
     assert {e.store.state.term for e in trio} == {term}  # ...in the term it was elected in: no fight

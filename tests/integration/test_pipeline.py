@@ -14,6 +14,7 @@ from coordinator.batching.scheduler import prefill_chunks
 from tests.support.prompts import PROMPTS
 from tests.support.reference import reference_answer
 from tests.support.served import Served, chat, post_chat
+from tests.support.wait import wait_until
 
 
 def _head_steps(node: str) -> int:
@@ -214,10 +215,9 @@ def test_client_disconnect_cancels_generation_and_frees_streams(served3: Served)
         assert resp.readline()
     assert max(_node_streams(served3)) >= 1
     resp.close()  # the user closes the chat window
-    deadline = time.monotonic() + 20
-    while max(_node_streams(served3)) > 0:
-        assert time.monotonic() < deadline, "stages still hold the cancelled stream"
-        time.sleep(0.2)
+    wait_until(
+        lambda: _node_streams(served3), 20, what="the stages to let the cancelled stream go", ok=lambda s: max(s) == 0
+    )
 
 
 @pytest.mark.parametrize(

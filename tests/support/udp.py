@@ -4,22 +4,30 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Callable
+from typing import Any
 
 from agent.cluster.elector import Elector
-
-
-async def until(cond: Callable[[], bool], timeout: float = 15.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        assert loop.time() < end, "condition not met in time"
-        await asyncio.sleep(0.05)
+from tests.support.wait import async_wait_until
 
 
 def agreed(es: list[Elector]) -> str | None:
     leaders = {e.leader() for e in es}
     return leaders.pop() if len(leaders) == 1 and None not in leaders else None
+
+
+def views(es: list[Elector]) -> dict[str, Any]:
+    """What each elector thinks (its role, term and coordinator), for a failure's message."""
+    return {e.me.node: (str(e.role), e.store.state.term, e.leader()) for e in es}
+
+
+async def async_agreement(es: list[Elector], timeout: float = 15.0, *, besides: str | None = None) -> str:
+    """Wait until every elector of ``es`` follows one coordinator (another than ``besides``); its node."""
+    what = "one coordinator for all" + (f" other than {besides}" if besides else "")
+    got = await async_wait_until(
+        lambda: agreed(es), timeout, what=what, ok=lambda c: c not in (None, besides), diagnose=lambda: views(es)
+    )
+    assert got is not None
+    return got
 
 
 async def ask(port: int, frame: bytes, wait: float = 2.0) -> bytes | None:

@@ -26,6 +26,7 @@ from agent.protocol.codec import ProtocolError
 from agent.protocol.events import CoordinatorLost, Preparing, Snapshot, apply_event, parse_event
 from coordinator.service.preparing import Preparer, node_key, node_step, sent_percent, stage_files
 from tests.support.figures import report
+from tests.support.wait import async_wait_until
 
 A = NodeInfo("aaa", "laptop-a", "10.0.0.1:7700", "coordinator", "available")
 B = NodeInfo("bbb", "laptop-b", "10.0.0.2:7700", "follower", "available")
@@ -263,14 +264,14 @@ async def _preparation_events(port: int, deadline: float) -> list[dict[str, Any]
 
     seen: list[dict[str, Any]] = []
     async with aiohttp.ClientSession() as s:
-        while True:
-            try:
-                ws = await s.ws_connect(f"http://127.0.0.1:{port}/v1/cluster/events")
-                break
-            except aiohttp.ClientError:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.2)
+        ws = await async_wait_until(
+            lambda: s.ws_connect(f"http://127.0.0.1:{port}/v1/cluster/events"),
+            deadline - time.monotonic(),
+            what=f"agent {port}'s event stream",
+            ok=lambda ws: ws is not None,
+            step=0.2,
+            ignore=(aiohttp.ClientError,),
+        )
         async with ws:
             while time.monotonic() < deadline:
                 m = await ws.receive(timeout=max(deadline - time.monotonic(), 0.1))
