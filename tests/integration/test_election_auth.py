@@ -151,7 +151,13 @@ async def test_signed_trio_elects_one_coordinator(trio: Trio) -> None:
     es = trio.electors
     leader = await async_agreement(es)
     assert sum(e.role is Role.COORDINATOR for e in es) == 1
-    await asyncio.sleep(1.0)  # a second of beats and acknowledgements
+    # steady traffic: every elector sends 20 lean datagrams (about a second of beats to its two peers)
+    await async_wait_until(
+        lambda: [e.status()["election_traffic"]["sent"]["lean"]["datagrams"] for e in es],
+        15,
+        what="a second of beats from every elector",
+        ok=lambda sent: min(sent) >= 20,
+    )
     # every datagram on the wire is signed (the tap, never heard from, gets the certificate each time)
     assert trio.tapped and all(_opened(f)[0].cluster == es[0].me.cluster for f in trio.tapped)
     for e in es:
@@ -266,7 +272,7 @@ async def test_old_term_beat_replayed_after_failover(trio: Trio) -> None:
             what=f"the replay refused by {e.me.node}",
             ok=lambda n: n >= 1,
         )
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.3)  # a window, not a wait: a replay taken would move a term or a leader in it
     assert {e.me.node: (e.store.state.term, e.leader()) for e in rest} == now
 
 
@@ -299,8 +305,12 @@ async def test_plaintext_and_signed_nodes_ignore_each_other(pki: Pki, tmp_path: 
             what="each coordinating alone",
             ok=lambda v: v == ("plainnode", m.node_id),
         )
-        await asyncio.sleep(0.5)
-        assert plain.datagrams.refused["signed"] > 0 and secure.datagrams.refused["unsigned"] > 0
+        await async_wait_until(
+            lambda: (plain.datagrams.refused["signed"], secure.datagrams.refused["unsigned"]),
+            15,
+            what="each to refuse the other's datagrams",
+            ok=lambda counts: min(counts) > 0,
+        )
         assert not plain.peers and not secure.peers
         assert {h["coordinator"] for h in plain.history} == {"plainnode"}
         assert {h["coordinator"] for h in secure.history} == {m.node_id}
@@ -336,7 +346,7 @@ async def test_fence_waits_for_the_election_to_admit_a_new_term() -> None:
     state = TermState(3, None, "aaa")
     fence = CoordinatorFence(lambda: state, wait_s=3.0)
     check = asyncio.ensure_future(fence.async_check(data_term(4), "bbb"))
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(0.2)  # a window, not a wait: no beat of term 4 yet, so the check must still be held
     assert not check.done()
     state = TermState(4, "bbb", "bbb")  # its first beat arrives
     await asyncio.wait_for(check, 2)

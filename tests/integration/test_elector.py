@@ -142,7 +142,8 @@ def _fenced(es: list[Elector]) -> None:
 
 async def test_three_agents_started_together_settle_within_two_terms(trio: list[Elector]) -> None:
     coord = await async_agreement(trio)
-    # a few more beats and timeouts: nobody stands again once a coordinator is heard
+    # a few more beats and timeouts: nobody stands again once a coordinator is heard (a window,
+    # not a wait: nothing is to happen in it)
     await asyncio.sleep(3 * trio[0].timing.peer_timeout_s)
     assert agreed(trio) == coord
     assert {e.store.state.term for e in trio} == {trio[0].store.state.term} and trio[0].store.state.term <= 2
@@ -178,7 +179,7 @@ async def test_a_coordinator_back_from_a_stall_follows_its_successor(trio: list[
         what="the old coordinator following, all three agreed",
         diagnose=lambda: views(trio),
     )
-    await asyncio.sleep(3 * old.timing.peer_timeout_s)
+    await asyncio.sleep(3 * old.timing.peer_timeout_s)  # a window in which a fight would show (no wait)
     assert agreed(trio) == successor  # the one elected meanwhile keeps coordinating...
     assert {e.store.state.term for e in trio} == {term}  # ...in the term it was elected in: no fight
     _fenced(trio)
@@ -191,11 +192,13 @@ async def test_a_voter_does_not_stand_against_the_candidate_it_voted_for(tmp_pat
     e = Elector(_node("n0", port), Settings(cluster_id="t", port=port, mdns=False), TermStore(tmp_path), timing)
     await e.async_start("127.0.0.1")
     try:
-        await asyncio.sleep(1.0)  # half its own election delay (2 s) gone
+        # the scenario's clock (not a wait): half its own election delay (2 s) gone when the request comes
+        await asyncio.sleep(1.0)
         req = VoteRequest("t", "cand", 9, 1, True, 1.0, GB)
         vote, _ = decode(await ask(port, encode(req)) or b"")
         assert isinstance(vote, Vote) and vote.granted
-        await asyncio.sleep(1.4)  # the candidate counts its votes, then beats (past the voter's own delay)
+        # the scenario's clock: the candidate counts its votes, then beats, past the voter's own delay
+        await asyncio.sleep(1.4)
         beat = Beat("t", "cand", 9, 1, "coordinator", "cand", "available", True, 1.0, GB, 2 * GB, ("CPU",), "0.1.0")
         ack, _ = decode(await ask(port, encode(beat)) or b"")
         assert isinstance(ack, Ack) and ack.accepted

@@ -309,7 +309,7 @@ def test_a_huge_prompt_is_refused_without_holding_up_the_api(served3: Served, me
         s = time.monotonic()
         assert [m.id for m in client.models.list().data] == ["smollm2-135m"]
         waits.append(time.monotonic() - s)
-        time.sleep(0.05)
+        time.sleep(0.05)  # pacing the other client (the scenario, not a wait): a request every 50 ms
     t.join(60)
     err = answer.get("error")
     assert isinstance(err, openai.BadRequestError), answer

@@ -81,7 +81,7 @@ async def _revoke_and_watch(c: LocalCluster) -> tuple[str, str, int]:
         # agent 2 holds a websocket open on agent 1's data port
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx2)) as s2:
             ws = await s2.ws_connect(f"wss://127.0.0.1:{c.ports[1]}/ws")
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # a window, not a wait: a member's link stays open (a refused one closes)
             assert not ws.closed
 
             t0 = time.monotonic()

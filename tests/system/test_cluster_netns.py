@@ -166,7 +166,7 @@ async def main():
     for info in infos:
         await azc.async_register_service(info, cooperating_responders=True)
     print("registered", flush=True)
-    await asyncio.sleep(float(sys.argv[2]))
+    await asyncio.sleep(float(sys.argv[2]))  # the scenario: the forged adverts stay up this long
     await azc.async_close()
 asyncio.run(main())
 """
@@ -329,7 +329,8 @@ def test_secure_lab_forms_elects_and_serves_over_mtls_and_ignores_strangers(tmp_
             )
 
         lab.wait_for(refused, MEMBERS, 60)
-        time.sleep(3.0)  # a few more rounds of their beats (and elections of their own)
+        # a window, not a wait: a few more rounds of their beats (and elections of their own), none taken
+        time.sleep(3.0)
         view = lab.wait_for(lambda v: agreed(v, peers_alive=3) is not None, MEMBERS, ELECT_S)
         assert agreed(view) == coord
         for v in view.values():

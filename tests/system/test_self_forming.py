@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,6 +51,17 @@ def _serving(lab: AgentLab, nodes: list[int], timeout: float) -> tuple[int, dict
     got = wait_until(formed, timeout, what="a pipeline formed", step=0.5, diagnose=lambda: lab.clusters(nodes))
     assert got is not None
     return got
+
+
+def _generating(lab: AgentLab, besides: int) -> bool:
+    """Whether a stage holds a stream: every node's data port asked from one namespace (not node
+    ``besides``, whose probe is busy carrying a request)."""
+    asker = next(k for k in range(lab.n) if k != besides)
+    for node in lab.lan.nodes:
+        r = lab.ask(asker, {"op": "get", "url": f"http://{node.ip}:{DATA_PORT}/v1/node", "timeout": 2})
+        if r.get("ok") and ((r["body"] or {}).get("stage") or {}).get("streams"):
+            return True
+    return False
 
 
 def _chat(lab: AgentLab, i: int, prompt: str, max_tokens: int) -> dict[str, Any]:
@@ -110,7 +120,7 @@ def test_agents_form_a_pipeline_and_a_new_coordinator_takes_over(lab, whole_int8
     outcome: list[dict[str, Any]] = []
     t = threading.Thread(target=lambda: outcome.append(_chat(lab, ci, PROMPTS[1], 400)))
     t.start()
-    time.sleep(1.0)
+    wait_until(lambda: _generating(lab, besides=ci), 60, what="the answer to be under way on a stage", step=0.2)
     lab.kill(ci)
     t.join(60)
     assert outcome and not outcome[0]["ok"]

@@ -187,7 +187,7 @@ def test_a_stage_node_paused_by_its_user_or_by_heat_hands_its_work_back_without_
                 text = "".join(p for _, p in pieces)
                 assert text == reference, how
                 frames = _get(f"{victim}/v1/node")["stage"]["frames"]
-                time.sleep(1.0)
+                time.sleep(1.0)  # a window, not a wait: a paused stage computes no frame in it
                 assert _get(f"{victim}/v1/node")["stage"]["frames"] == frames  # its compute thread stopped
                 resumed = next((ts for ts, _ in pieces if ts > t0), None)
                 report(
