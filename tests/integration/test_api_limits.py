@@ -341,7 +341,6 @@ def test_the_gateway_names_who_it_forwards_for_and_passes_retry_after_back() -> 
 
     from agent.api.gateway import async_forward
     from agent.common import aio
-    from coordinator.lab.local_cluster import free_port
 
     async def upstream(request: web.Request) -> web.Response:
         return web.json_response(
@@ -351,8 +350,16 @@ def test_the_gateway_names_who_it_forwards_for_and_passes_retry_after_back() -> 
     async def main() -> tuple[int, str | None, Any]:
         up_app = web.Application()
         up_app.router.add_post("/v1/chat/completions", upstream)
-        up_port, door_port = free_port(), free_port()
-        runners = []
+        runners: list[web.AppRunner] = []
+
+        async def serve(app: web.Application) -> int:
+            """Serve ``app`` on a free loopback port (0): the port it bound."""
+            r = web.AppRunner(app)
+            await r.setup()
+            runners.append(r)
+            await web.TCPSite(r, "127.0.0.1", 0).start()
+            return int(r.addresses[0][1])
+
         async with aiohttp.ClientSession() as session:
 
             async def door(request: web.Request) -> web.StreamResponse:
@@ -360,11 +367,8 @@ def test_the_gateway_names_who_it_forwards_for_and_passes_retry_after_back() -> 
 
             door_app = web.Application()
             door_app.router.add_post("/v1/chat/completions", door)
-            for app, port in ((up_app, up_port), (door_app, door_port)):
-                r = web.AppRunner(app)
-                await r.setup()
-                await web.TCPSite(r, "127.0.0.1", port).start()
-                runners.append(r)
+            up_port = await serve(up_app)
+            door_port = await serve(door_app)
             try:
                 async with session.post(
                     f"http://127.0.0.1:{door_port}/v1/chat/completions",

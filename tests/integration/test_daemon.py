@@ -108,6 +108,8 @@ async def test_agents_on_other_ports_of_one_machine_each_keep_their_own_node_id(
     keeps its id across a restart, and the one on the default port keeps the plain folder."""
     from coordinator.lab.local_cluster import free_port
 
+    # (numbers picked before the daemons bind them: a configured port names the state folder, so the
+    # id, and the restart must find the same number; port 0 would mean the plain folder)
     ports = [free_port(), free_port()]
     opts = DaemonOptions(host="127.0.0.1", device="CPU", throttle=False, standalone=True, insecure=True)
 
@@ -132,7 +134,7 @@ def test_each_agent_process_writes_its_own_log_file(isolated_home: Path) -> None
     from coordinator.lab.local_cluster import free_port
     from tests.support.cli import run_cli
 
-    port = free_port()
+    port = free_port()  # (only a number: the agent stops at its corrupt term file before it binds)
     (isolated_home / "state" / f"port-{port}").mkdir(parents=True)
     (isolated_home / "state" / f"port-{port}" / "term.json").write_text("{garbage")
     r = run_cli(

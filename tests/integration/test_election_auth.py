@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 import time
 import urllib.request
 from collections.abc import AsyncIterator
@@ -45,7 +44,7 @@ from agent.security.datagrams import Plain, Receiver, Signed, sealed
 from agent.security.transport import Transport
 from coordinator.lab.local_cluster import LocalCluster, free_port
 from tests.support.members import Home, make_member
-from tests.support.udp import agreed, async_agreement
+from tests.support.udp import agreed, async_agreement, async_start_static
 from tests.support.udp import ask as _ask_udp
 from tests.support.wait import async_wait_until, wait_until
 
@@ -89,16 +88,6 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     return Pki(ca, members, impostor, revoked, outsider)
 
 
-def _ports(n: int) -> list[int]:
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 @dataclass
 class Trio:
     electors: list[Elector]
@@ -107,20 +96,17 @@ class Trio:
 
 @pytest.fixture
 async def trio(pki: Pki, tmp_path: Path) -> AsyncIterator[Trio]:
-    ports = _ports(4)
-    peers = tuple(("127.0.0.1", p) for p in ports)  # the last one is the tap: it records, never answers
     tapped: list[bytes] = []
     loop = asyncio.get_running_loop()
-    tap, _ = await loop.create_datagram_endpoint(
-        lambda: Receiver(lambda data, src: tapped.append(data)), local_addr=("127.0.0.1", ports[3])
+    tap, _ = await loop.create_datagram_endpoint(  # a static peer that records, never answers
+        lambda: Receiver(lambda data, src: tapped.append(data)), local_addr=("127.0.0.1", 0)
     )
     electors = []
-    for creds, p in zip(pki.members, ports, strict=False):
-        st = Settings(cluster_id=pki.cluster, port=p, mdns=False, static_peers=peers)
-        me = LocalNode(creds.node_id, pki.cluster, p, "0.1.0", 16 * GB, lambda: 8 * GB, score=10.0)
+    for creds in pki.members:
+        st = Settings(cluster_id=pki.cluster, port=0, mdns=False)
+        me = LocalNode(creds.node_id, pki.cluster, 0, "0.1.0", 16 * GB, lambda: 8 * GB, score=10.0)
         electors.append(Elector(me, st, TermStore(tmp_path / creds.node_id), FAST, Signed(creds)))
-    for e in electors:
-        await e.async_start("127.0.0.1")
+    await async_start_static(electors, also=(("127.0.0.1", tap.get_extra_info("sockname")[1]),))
     yield Trio(electors, tapped)
     for e in electors:
         await e.async_stop()
@@ -279,25 +265,23 @@ async def test_old_term_beat_replayed_after_failover(trio: Trio) -> None:
 async def test_plaintext_and_signed_nodes_ignore_each_other(pki: Pki, tmp_path: Path) -> None:
     """A node without credentials and a member, each the other's static peer: neither hears the
     other (each coordinates alone), and each counts the other's datagrams as refused."""
-    p1, p2 = _ports(2)
-    peers = (("127.0.0.1", p1), ("127.0.0.1", p2))
     m = pki.members[1]
+    st = Settings(cluster_id=pki.cluster, port=0, mdns=False)  # the static peers: once each has its port
     plain = Elector(
-        LocalNode("plainnode", pki.cluster, p1, "0.1.0", 16 * GB, lambda: 8 * GB),
-        Settings(cluster_id=pki.cluster, port=p1, mdns=False, static_peers=peers),
+        LocalNode("plainnode", pki.cluster, 0, "0.1.0", 16 * GB, lambda: 8 * GB),
+        st,
         TermStore(tmp_path / "plain"),
         FAST,
     )
     secure = Elector(
-        LocalNode(m.node_id, pki.cluster, p2, "0.1.0", 16 * GB, lambda: 8 * GB),
-        Settings(cluster_id=pki.cluster, port=p2, mdns=False, static_peers=peers),
+        LocalNode(m.node_id, pki.cluster, 0, "0.1.0", 16 * GB, lambda: 8 * GB),
+        st,
         TermStore(tmp_path / "secure"),
         FAST,
         Signed(m),
     )
     assert isinstance(plain.datagrams, Plain)
-    for e in (plain, secure):
-        await e.async_start("127.0.0.1")
+    await async_start_static([plain, secure])
     try:
         await async_wait_until(
             lambda: (plain.leader(), secure.leader()),
@@ -385,6 +369,8 @@ async def _assign_over_tls(creds: Credentials, port: int, msg: Assign) -> Messag
 
 
 def test_assignments_only_from_the_elected_coordinator(pki: Pki, tmp_path: Path) -> None:
+    # (ports picked before the agents bind them: each is the other's static peer, and a port's node
+    # id, which its certificate names, comes before the process; LocalCluster needs them known)
     homes = [Home(tmp_path / h, free_port()) for h in ("x", "y")]
     creds = []
     for h in homes:

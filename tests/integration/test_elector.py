@@ -8,7 +8,6 @@ seven terms (each restarting the coordinator's services) before they served."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -20,36 +19,22 @@ from agent.cluster.node_state import TermStore
 from agent.cluster.peers import LocalNode
 from agent.common.config import Settings
 from agent.protocol import Ack, Beat, DeviceOffer, Vote, VoteRequest, decode, encode
-from tests.support.udp import agreed, ask, async_agreement, views
+from tests.support.udp import agreed, ask, async_agreement, async_start_static, views
 from tests.support.wait import async_wait_until
 
 GB = 1024**3
 
 
-def _ports(n: int) -> list[int]:
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def _node(name: str, port: int, cluster: str = "t") -> LocalNode:
-    return LocalNode(name, cluster, port, "0.1.0", 16 * GB, lambda: 8 * GB, score=10.0)
+def _node(name: str, cluster: str = "t") -> LocalNode:
+    """A node whose elector takes a free port (0) when it starts."""
+    return LocalNode(name, cluster, 0, "0.1.0", 16 * GB, lambda: 8 * GB, score=10.0)
 
 
 @pytest.fixture
 async def trio(tmp_path: Path) -> AsyncIterator[list[Elector]]:
-    ports = _ports(3)
-    peers = tuple(("127.0.0.1", p) for p in ports)
-    electors = []
-    for i, p in enumerate(ports):
-        st = Settings(cluster_id="t", port=p, mdns=False, static_peers=peers)
-        electors.append(Elector(_node(f"n{i}", p), st, TermStore(tmp_path / f"n{i}")))
-    for e in electors:
-        await e.async_start("127.0.0.1")
+    st = Settings(cluster_id="t", port=0, mdns=False)  # the static peers: once each has its port
+    electors = [Elector(_node(f"n{i}"), st, TermStore(tmp_path / f"n{i}")) for i in range(3)]
+    await async_start_static(electors)
     yield electors
     for e in electors:
         await e.async_stop()
@@ -186,11 +171,11 @@ async def test_a_coordinator_back_from_a_stall_follows_its_successor(trio: list[
 
 
 async def test_a_voter_does_not_stand_against_the_candidate_it_voted_for(tmp_path: Path) -> None:
-    (port,) = _ports(1)
     # (a long peer timeout: the old rule restarted a voter's clock only that far back, which hid the fault)
     timing = Timing(peer_timeout_s=3.0, election_base_s=2.0, election_spread_s=0.0)
-    e = Elector(_node("n0", port), Settings(cluster_id="t", port=port, mdns=False), TermStore(tmp_path), timing)
+    e = Elector(_node("n0"), Settings(cluster_id="t", port=0, mdns=False), TermStore(tmp_path), timing)
     await e.async_start("127.0.0.1")
+    port = e.me.port  # the free port it bound
     try:
         # the scenario's clock (not a wait): half its own election delay (2 s) gone when the request comes
         await asyncio.sleep(1.0)

@@ -249,7 +249,6 @@ def test_an_agent_that_hangs_up_on_its_assignment_is_named_with_its_close_code(t
     from aiohttp import web
 
     from agent.common import aio
-    from coordinator.lab.local_cluster import free_port
     from coordinator.ring.pipeline import Pipeline, PipelineError, StagePlacement
 
     (tmp_path / "manifest.json").write_text("{}")
@@ -266,9 +265,8 @@ def test_an_agent_that_hangs_up_on_its_assignment_is_named_with_its_close_code(t
         app.router.add_get("/ws", hang_up)
         runner = web.AppRunner(app)
         await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        node = f"127.0.0.1:{port}"
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        node = f"127.0.0.1:{runner.addresses[0][1]}"  # the free port it bound
         p = Pipeline(
             [StagePlacement(node, tmp_path)], export_id="x", return_url="ws://127.0.0.1:1/r", artifacts_url="http://x"
         )

@@ -4,10 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from dataclasses import replace
 from typing import Any
 
 from agent.cluster.elector import Elector
 from tests.support.wait import async_wait_until
+
+
+async def async_start_static(es: list[Elector], also: tuple[tuple[str, int], ...] = ()) -> None:
+    """Start each elector on loopback at port 0 (it binds a free port and reads it back), then make
+    them each other's static peers (and ``also``'s): no port is picked before it is bound, so no
+    other process can take one in between. (Nothing is lost meanwhile: an elector stands only after
+    its election delay, and beats only to the peers it knows.)"""
+    for e in es:
+        assert e.me.port == 0, "give the electors port 0: they take free ports themselves"
+        await e.async_start("127.0.0.1")
+    peers = tuple(("127.0.0.1", e.me.port) for e in es) + also
+    for e in es:
+        e.settings = replace(e.settings, port=e.me.port, static_peers=peers)
 
 
 def agreed(es: list[Elector]) -> str | None:
