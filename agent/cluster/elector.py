@@ -47,11 +47,13 @@ class Elector(ElectorState):
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def async_start(self, host: str = "0.0.0.0") -> None:
+        """Listen on UDP ``me.port``; port 0 takes a free one, which ``me.port`` then holds (beats announce it)."""
         loop = asyncio.get_running_loop()
         transport, _ = await loop.create_datagram_endpoint(
             lambda: Receiver(self.on_datagram), local_addr=(host, self.me.port), reuse_port=False
         )
         self._transport = transport
+        self.me.port = int(transport.get_extra_info("sockname")[1])
         self._task = asyncio.create_task(self._run())
 
     async def async_stop(self) -> None:

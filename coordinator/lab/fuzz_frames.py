@@ -35,7 +35,22 @@ PREFIX = struct.Struct("<2sBI")
 # stands for the live stream's id (random, like every coordinator's): live_fuzz swaps it in at send time
 VICTIM_MARK = "victim-" + "x" * 16
 VICTIMS = (VICTIM_MARK,)
-TYPES = ("fwd", "ids", "passed", "close", "error", "head", "head_top", "batch", "batch_ids", "ping", "pong", "beat", "vote", "x")
+TYPES = (
+    "fwd",
+    "ids",
+    "passed",
+    "close",
+    "error",
+    "head",
+    "head_top",
+    "batch",
+    "batch_ids",
+    "ping",
+    "pong",
+    "beat",
+    "vote",
+    "x",
+)
 # values a header field is replaced with: wrong types, edges, huge and deep things
 ODD: list[Any] = [
     None,

@@ -20,7 +20,9 @@ from coordinator.api.limits import (
     retry_after,
     take,
 )
-from tests.conftest import Served, run_cli
+from tests.support.cli import run_cli
+from tests.support.served import Served
+from tests.support.wait import wait_until
 
 
 class Clock:
@@ -339,7 +341,6 @@ def test_the_gateway_names_who_it_forwards_for_and_passes_retry_after_back() -> 
 
     from agent.api.gateway import async_forward
     from agent.common import aio
-    from coordinator.lab.local_cluster import free_port
 
     async def upstream(request: web.Request) -> web.Response:
         return web.json_response(
@@ -349,8 +350,16 @@ def test_the_gateway_names_who_it_forwards_for_and_passes_retry_after_back() -> 
     async def main() -> tuple[int, str | None, Any]:
         up_app = web.Application()
         up_app.router.add_post("/v1/chat/completions", upstream)
-        up_port, door_port = free_port(), free_port()
-        runners = []
+        runners: list[web.AppRunner] = []
+
+        async def serve(app: web.Application) -> int:
+            """Serve ``app`` on a free loopback port (0): the port it bound."""
+            r = web.AppRunner(app)
+            await r.setup()
+            runners.append(r)
+            await web.TCPSite(r, "127.0.0.1", 0).start()
+            return int(r.addresses[0][1])
+
         async with aiohttp.ClientSession() as session:
 
             async def door(request: web.Request) -> web.StreamResponse:
@@ -358,11 +367,8 @@ def test_the_gateway_names_who_it_forwards_for_and_passes_retry_after_back() -> 
 
             door_app = web.Application()
             door_app.router.add_post("/v1/chat/completions", door)
-            for app, port in ((up_app, up_port), (door_app, door_port)):
-                r = web.AppRunner(app)
-                await r.setup()
-                await web.TCPSite(r, "127.0.0.1", port).start()
-                runners.append(r)
+            up_port = await serve(up_app)
+            door_port = await serve(door_app)
             try:
                 async with session.post(
                     f"http://127.0.0.1:{door_port}/v1/chat/completions",
@@ -460,29 +466,36 @@ def test_over_the_concurrency_cap_429_until_the_open_stream_is_dropped(one_at_a_
     assert [m.id for m in client.models.list().data] == ["smollm2-135m"]  # needs no slot
     other = _client(one_at_a_time, "10.9.0.3")  # another client has its own slot
     assert other.chat.completions.create(model="smollm2-135m", messages=MSGS, max_tokens=2).choices  # type: ignore[arg-type]
+
+    def slot(**kw: Any) -> Any:
+        """A request of this client (its answer), or None while it is refused for want of a slot."""
+        try:
+            return client.chat.completions.create(model="smollm2-135m", messages=MSGS, **kw)  # type: ignore[arg-type]
+        except openai.RateLimitError as busy:
+            assert busy.code == "too_many_concurrent_requests", busy  # any other refusal fails at once
+            return None
+
     stream.close()  # the client hangs up mid-answer
     t0 = time.monotonic()
-    while True:
-        try:
-            again = client.chat.completions.create(model="smollm2-135m", messages=MSGS, stream=True, max_tokens=2000)  # type: ignore[arg-type]
-            break
-        except openai.RateLimitError as busy:
-            assert busy.code == "too_many_concurrent_requests"
-            assert time.monotonic() - t0 < 1.0, "the dropped stream still holds its slot"
-            time.sleep(0.02)
+    again = wait_until(
+        lambda: slot(stream=True, max_tokens=2000),
+        1.0,
+        what="the dropped stream's slot to be free",
+        ok=lambda r: r is not None,
+        step=0.02,
+    )
     took = time.monotonic() - t0
     assert took < 1.0
     assert next(iter(again)).choices  # the new request is being answered
     again.close()
     # the slot is back again after that one too (nothing leaks)
-    deadline = time.monotonic() + 1.0
-    while True:
-        try:
-            last = client.chat.completions.create(model="smollm2-135m", messages=MSGS, max_tokens=2)  # type: ignore[arg-type]
-            break
-        except openai.RateLimitError:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+    last = wait_until(
+        lambda: slot(max_tokens=2),
+        1.0,
+        what="the slot back after the second stream",
+        ok=lambda r: r is not None,
+        step=0.02,
+    )
     assert last.choices
 
 

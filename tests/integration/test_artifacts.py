@@ -15,7 +15,8 @@ import pytest
 
 from agent.protocol import Assign, Assigned, Error, Message, ProtocolError, decode, encode
 from agent.runtime.device import available_devices
-from tests.conftest import PROMPTS, Served, chat
+from tests.support.prompts import PROMPTS
+from tests.support.served import Served, chat
 
 
 def test_agents_download_verify_and_cache_their_stage(smollm2, tmp_path: Path, whole_int8, smollm2_tokenizer) -> None:  # type: ignore[no-untyped-def]

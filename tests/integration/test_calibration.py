@@ -14,7 +14,7 @@ from coordinator.lab.local_cluster import LocalCluster
 from coordinator.planning.calibration import CalibrationStore, StageTime, fit_head_layers, propose, stage_time
 from coordinator.planning.planner import balanced_split, model_costs
 from coordinator.service.coordinator import Coordinator
-from tests.conftest import exact_config
+from tests.support.exact import exact_config
 from tests.support.figures import report
 
 L = False  # a stage without the head

@@ -19,7 +19,8 @@ from gui.chat.store import Store
 from gui.chat.window import ChatWindow
 from gui.client import Client, url_problem
 from tests.support.fake_agent import FULL, NOTE, PARTIAL, FakeCoordinator
-from tests.support.qt import run, until
+from tests.support.qt import run
+from tests.support.wait import async_wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -54,7 +55,7 @@ def ask(loop: asyncio.AbstractEventLoop, w: ChatWindow, text: str) -> None:
     w.input.setPlainText(text)
     w.send_btn.click()
     assert w.streaming is not None and w.stop_btn.isEnabled() and not w.send_btn.isEnabled()
-    run(loop, until("the answer to end", lambda: w.streaming is None))
+    run(loop, async_wait_until(lambda: w.streaming is None, what="the answer to end"))
 
 
 def ready(w: ChatWindow) -> bool:
@@ -63,7 +64,7 @@ def ready(w: ChatWindow) -> bool:
 
 
 def reachable(loop: asyncio.AbstractEventLoop, w: ChatWindow) -> None:
-    run(loop, until("the coordinator", lambda: w.reachable and w.model.currentText() == "fake-model"))
+    run(loop, async_wait_until(lambda: w.reachable and w.model.currentText() == "fake-model", what="the coordinator"))
 
 
 @pytest.mark.parametrize(
@@ -122,14 +123,14 @@ def test_retry_asks_the_same_question_again_and_replaces_the_interrupted_answer(
     # a retry that reaches nobody leaves the interrupted answer as it was, and can be retried
     client.point_at(f"http://127.0.0.1:{free_port()}")
     w.retry_btn.click()
-    run(qloop, until("the retry to fail", lambda: w.streaming is None))
+    run(qloop, async_wait_until(lambda: w.streaming is None, what="the retry to fail"))
     answer = w.store.messages(w.conversation or 0)[-1]
     assert answer.content == PARTIAL and "did not answer" in answer.stats["error"] and ready(w)
     assert w.retry_btn.isVisibleTo(w) and w.input.toPlainText() == "" and not w.pending_send
     client.point_at(fake.url)
     w.retry_btn.click()
     assert w.streaming is not None and not w.retry_btn.isVisibleTo(w) and w.stop_btn.isEnabled()
-    run(qloop, until("the answer", lambda: w.streaming is None))
+    run(qloop, async_wait_until(lambda: w.streaming is None, what="the answer"))
     msgs = w.store.messages(w.conversation or 0)
     assert [(m.role, m.content) for m in msgs] == [("user", "What is the capital of France?"), ("assistant", FULL)]
     assert not msgs[1].stats.get("interrupted") and ready(w) and not w.retry_btn.isVisibleTo(w)
@@ -147,11 +148,11 @@ def test_a_status_note_and_a_silent_pause_do_not_end_the_answer(
     fake.plays = ["pause"]
     w.input.setPlainText("What is the capital of France?")
     w.send()
-    run(qloop, until("the note", lambda: w.status.text() == NOTE))
+    run(qloop, async_wait_until(lambda: w.status.text() == NOTE, what="the note"))
     assert NOTE in w.transcript.toPlainText() and w.stop_btn.isEnabled() and w.live is not None
     assert w.live["text"] == PARTIAL
     fake.go_on.set()
-    run(qloop, until("the answer", lambda: w.streaming is None))
+    run(qloop, async_wait_until(lambda: w.streaming is None, what="the answer"))
     answer = w.store.messages(w.conversation or 0)[-1]
     assert answer.content == FULL and not answer.stats.get("interrupted") and ready(w)
     assert NOTE not in w.transcript.toPlainText()
@@ -170,8 +171,11 @@ def test_a_refused_connection_puts_the_question_back_and_it_goes_out_once_one_an
     assert w.banner.isVisibleTo(w) and "No coordinator is reachable" in w.banner.text()
     assert "will be sent" in w.banner.text() and "Connect call failed" in w.banner.text()
     client.point_at(fake.url)
-    run(qloop, until("the message to go out and be answered", lambda: w.store.messages(w.conversation or 0)))
-    run(qloop, until("the answer", lambda: w.streaming is None))
+    run(
+        qloop,
+        async_wait_until(lambda: w.store.messages(w.conversation or 0), what="the message to go out and be answered"),
+    )
+    run(qloop, async_wait_until(lambda: w.streaming is None, what="the answer"))
     assert [m.content for m in w.store.messages(w.conversation or 0)] == ["Say hello.", FULL]
     assert ready(w) and not w.banner.isVisibleTo(w) and w.input.toPlainText() == ""
 
@@ -183,14 +187,19 @@ def test_an_invalid_coordinator_url_says_so_and_nothing_wedges(
     # a bad URL already in tray.json when the tray starts
     client = Client(fake.url, coordinator_url=bad)
     w = chat(client)
-    run(qloop, until("the banner", lambda: w.reachable is False and w.banner.isVisibleTo(w)))
+    run(qloop, async_wait_until(lambda: w.reachable is False and w.banner.isVisibleTo(w), what="the banner"))
     assert f"The coordinator URL {bad!r} in Settings is not valid" in w.banner.text()
     assert "Correct it in Settings" in w.banner.text()
     w.input.setPlainText("Say hello.")
     w.send_btn.click()
     assert ready(w) and w.pending_send and w.input.toPlainText() == "Say hello."
     client.point_at(fake.url)  # corrected in Settings
-    run(qloop, until("the answer", lambda: len(w.store.messages(w.conversation or 0)) == 2 and w.streaming is None))
+    run(
+        qloop,
+        async_wait_until(
+            lambda: len(w.store.messages(w.conversation or 0)) == 2 and w.streaming is None, what="the answer"
+        ),
+    )
     assert w.store.messages(w.conversation or 0)[-1].content == FULL and not w.banner.isVisibleTo(w)
 
     # a bad URL set while the window thinks the coordinator is there: the answer ends at once
@@ -198,7 +207,12 @@ def test_an_invalid_coordinator_url_says_so_and_nothing_wedges(
     ask(qloop, w, "Say it again.")
     assert ready(w) and w.input.toPlainText() == "Say it again." and "not valid" in w.banner.text()
     client.point_at(fake.url)
-    run(qloop, until("the answer", lambda: len(w.store.messages(w.conversation or 0)) == 4 and w.streaming is None))
+    run(
+        qloop,
+        async_wait_until(
+            lambda: len(w.store.messages(w.conversation or 0)) == 4 and w.streaming is None, what="the answer"
+        ),
+    )
     assert w.store.messages(w.conversation or 0)[-1].content == FULL and ready(w)
 
 
@@ -268,7 +282,7 @@ def test_the_agents_no_coordinator_answer_is_said_once_in_the_banner(
     runner = run(qloop, start())
     try:
         w = chat(Client(f"http://127.0.0.1:{runner.addresses[0][1]}"))
-        run(qloop, until("the banner", lambda: w.reachable is False and w.banner.isVisibleTo(w)))
+        run(qloop, async_wait_until(lambda: w.reachable is False and w.banner.isVisibleTo(w), what="the banner"))
         text = w.banner.text()
         assert text == "No coordinator is reachable right now (an election may be under way); retrying every 2 s."
         assert text.lower().count("no coordinator is reachable") == 1
@@ -298,7 +312,7 @@ def test_a_long_conversation_opens_at_its_end_and_a_new_question_is_followed(
     w.input.setPlainText("One more.")
     w.send_btn.click()
     assert bar.value() == bar.maximum()
-    run(qloop, until("the answer to end", lambda: w.streaming is None))
+    run(qloop, async_wait_until(lambda: w.streaming is None, what="the answer to end"))
     assert bar.value() == bar.maximum()
 
 

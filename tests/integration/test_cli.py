@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.support.cli import run_cli
 
 
 @pytest.mark.parametrize(

@@ -33,8 +33,9 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from agent.security import SecurityError, ca_store, cluster, files, join, pki, revocation, tokens
 from agent.security.ca_store import Refused
 from agent.security.credentials import Credentials
-from tests.conftest import REPO, run_cli
+from tests.support.cli import REPO, run_cli
 from tests.support.members import join_request, make_member
+from tests.support.wait import wait_until
 
 NODE_A, NODE_B, NODE_C = "aaaaaaaaaaaa", "bbbbbbbbbbbb", "cccccccccccc"
 
@@ -172,8 +173,10 @@ def test_revocation_list_signature_and_versions(ca_dir: Path, tmp_path: Path) ->
 async def handshake(server: Credentials, client: Credentials) -> dict[str, Any]:
     """A real TLS connection on loopback: what each side makes of the other."""
     got: dict[str, Any] = {}
+    handlers: list[asyncio.Task[Any]] = []  # the server's side of the connection, once its handshake is done
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        handlers.append(asyncio.current_task())  # type: ignore[arg-type]
         obj = writer.get_extra_info("ssl_object")
         got["version"] = obj.version()
         try:
@@ -199,7 +202,8 @@ async def handshake(server: Credentials, client: Credentials) -> dict[str, Any]:
         except (ssl.SSLError, ConnectionError) as e:
             got["client_read"] = repr(e)
         w.close()
-    await asyncio.sleep(0.05)
+    # what the server made of the client (the client only reads an answer or the close after it)
+    await asyncio.wait_for(asyncio.gather(*handlers), 10)
     srv.close()
     await srv.wait_closed()
     return got
@@ -363,16 +367,11 @@ class Member:
         cmd += ["--api-port", "0", "--no-mdns", "--device", "CPU", "--standalone", "--throttle", "off", "--insecure"]
         env = {**os.environ, "PYTHONWARNINGS": "ignore", **self.env}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=REPO)
-        deadline = time.monotonic() + 60
-        while True:
-            assert self.proc.poll() is None, "the agent exited"
-            try:
-                if self.get("/v1/cluster/ca")[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "the agent did not start"
-            time.sleep(0.2)
+        wait_until(self._answers, 60, what="the agent to answer", ignore=(OSError,))
+
+    def _answers(self) -> bool:
+        assert self.proc.poll() is None, "the agent exited"
+        return self.get("/v1/cluster/ca")[0] == 200
 
     @property
     def folder(self) -> Path:
@@ -459,7 +458,7 @@ def test_join_end_to_end(member: Member, tmp_path: Path) -> None:
 
 def test_expired_token(member: Member, tmp_path: Path) -> None:
     token = member.invite("--expires", "1s")
-    time.sleep(1.5)
+    time.sleep(1.5)  # the scenario (not a wait): the token's second of life runs out on the wall clock
     one_line_error(run_cli("cluster", "join", token, env=joiner(tmp_path)), "has expired")
 
 

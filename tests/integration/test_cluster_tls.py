@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,8 +26,10 @@ from agent.security.credentials import Credentials
 from agent.security.errors import SecurityError
 from agent.security.transport import Transport
 from coordinator.lab.local_cluster import LocalCluster, free_port
-from tests.conftest import Served, chat, post_chat, run_cli
+from tests.support.cli import run_cli
 from tests.support.members import Home, exchange, make_member
+from tests.support.served import Served, chat, post_chat
+from tests.support.wait import wait_until
 
 PROMPT = "Name three colours of the rainbow."
 SERVE_ARGS = ("--model", "smollm2-135m", "--weights", "int8")
@@ -138,14 +139,14 @@ def test_revoked_node_refused(secure: Secure) -> None:
     assert isinstance(got, bytes) and got.startswith(b"HTTP/1.1 200"), got
     # the CA holder revokes it (the CLI's operation); its running agent re-reads the list
     cluster.revoke(secure.spare.node_id, secure.ca.security)
-    deadline = time.monotonic() + 10
-    while True:
-        got = exchange(secure.ca.port, ctx)
-        if isinstance(got, bytes) and got.startswith(b"HTTP/1.1 403"):
-            break
-        assert time.monotonic() < deadline, got
-        time.sleep(0.5)
-    assert b"revoked" in got
+    got = wait_until(
+        lambda: exchange(secure.ca.port, ctx),
+        10,
+        what="the revoked node's request refused (403)",
+        ok=lambda g: isinstance(g, bytes) and g.startswith(b"HTTP/1.1 403"),
+        step=0.5,
+    )
+    assert isinstance(got, bytes) and b"revoked" in got
     # the rest of the cluster still serves
     assert chat(secure.served, PROMPT, max_tokens=4, temperature=0)
 
@@ -171,10 +172,13 @@ def test_elected_agents_serve_over_tls(secure: Secure, tmp_path: Path) -> None:
     with LocalCluster(
         2, elect=elect, agent_envs=[h.env for h in homes], ports=[h.port for h in homes], log_dir=tmp_path, secure=True
     ) as c:
-        deadline = time.monotonic() + 300
-        while not all(local_get(p, "/v1/models") for p in c.api_ports):
-            assert time.monotonic() < deadline, [local_get(p, "/v1/cluster") for p in c.api_ports]
-            time.sleep(0.5)
+        wait_until(
+            lambda: all(local_get(p, "/v1/models") for p in c.api_ports),
+            300,
+            what="both agents' local APIs to list the model",
+            step=0.5,
+            diagnose=lambda: [local_get(p, "/v1/cluster") for p in c.api_ports],
+        )
         views = [local_get(p, "/v1/cluster") or {} for p in c.api_ports]
         assert all(v["cluster"] == cid for v in views), views
         gateways = [v["gateway"] for v in views]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from agent.runtime.device import DeviceError, cache_cap_bytes, prune_compiled_cache
-from tests.conftest import REPO
+from tests.support.cli import REPO
 
 MB = 2**20
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -16,17 +16,13 @@ from agent.common.config import Settings
 from agent.node.daemon import DaemonOptions, running
 from agent.protocol import Assign, Beat, DeviceOffer, Error, decode, encode
 from agent.protocol.status import ClusterStatus, NodeStatus, PauseReason
+from tests.support.wait import async_wait_until
 
 
-async def _until_coordinator(http: aiohttp.ClientSession, api: str, timeout: float = 15.0) -> dict[str, object]:
-    end = asyncio.get_running_loop().time() + timeout
-    while True:
-        async with http.get(f"{api}/v1/cluster") as r:
-            c: dict[str, object] = await r.json()
-        if c["role"] == "coordinator":
-            return c
-        assert asyncio.get_running_loop().time() < end, c
-        await asyncio.sleep(0.1)
+async def _cluster(http: aiohttp.ClientSession, api: str) -> dict[str, Any]:
+    async with http.get(f"{api}/v1/cluster") as r:
+        c: dict[str, Any] = await r.json()
+        return c
 
 
 async def test_status_api_pause_switch_and_fencing(isolated_home: Path) -> None:
@@ -34,7 +30,9 @@ async def test_status_api_pause_switch_and_fencing(isolated_home: Path) -> None:
     opts = DaemonOptions(host="127.0.0.1", device="CPU", throttle=False, insecure=True)
     async with running(settings, opts) as d, aiohttp.ClientSession() as http:
         api = f"http://127.0.0.1:{d.api_port}"
-        cluster = await _until_coordinator(http, api)  # alone, it is a majority of one
+        cluster = await async_wait_until(  # alone, it is a majority of one
+            lambda: _cluster(http, api), 15, what="it to coordinate", ok=lambda c: c["role"] == "coordinator", step=0.1
+        )
         assert cluster["coordinator"] == d.node and int(cluster["term"]) >= 1  # type: ignore[call-overload]
         async with http.get(f"{api}/v1/node") as r:
             node = await r.json()
@@ -49,12 +47,9 @@ async def test_status_api_pause_switch_and_fencing(isolated_home: Path) -> None:
             paused = NodeStatus.parse(await r.json())  # the typed answer reads back
             assert r.status == 200 and paused.state == "paused"
             assert paused.reason == "user" and paused.reason_kind is PauseReason.SWITCH  # the user's own switch
-        for _ in range(100):
-            async with http.get(f"{api}/v1/cluster") as r:
-                cluster = await r.json()
-            if cluster["role"] != "coordinator":
-                break
-            await asyncio.sleep(0.1)
+        cluster = await async_wait_until(
+            lambda: _cluster(http, api), 10, what="it to step down", ok=lambda c: c["role"] != "coordinator", step=0.1
+        )
         assert cluster["role"] == "follower" and cluster["not_eligible_because"] == "paused"
         assert ClusterStatus.parse(cluster).reason_kind is PauseReason.SWITCH
 
@@ -75,10 +70,7 @@ async def test_status_api_pause_switch_and_fencing(isolated_home: Path) -> None:
         assert isinstance(err, Error) and err.code == "stale_term"
 
         # pinned to the CPU, it offers the CPU only, and refuses a stage on another device
-        for _ in range(300):
-            if d.capacity is not None:
-                break
-            await asyncio.sleep(0.1)
+        await async_wait_until(lambda: d.capacity, 30, what="its capacity probe", ok=lambda c: c is not None, step=0.1)
         assert [o.name for o in d.me.offers] == ["CPU"] and d.me.offers[0].score > 0
         async with http.get(f"{api}/v1/node") as r:
             detail = (await r.json())["devices_detail"]
@@ -116,6 +108,8 @@ async def test_agents_on_other_ports_of_one_machine_each_keep_their_own_node_id(
     keeps its id across a restart, and the one on the default port keeps the plain folder."""
     from coordinator.lab.local_cluster import free_port
 
+    # (numbers picked before the daemons bind them: a configured port names the state folder, so the
+    # id, and the restart must find the same number; port 0 would mean the plain folder)
     ports = [free_port(), free_port()]
     opts = DaemonOptions(host="127.0.0.1", device="CPU", throttle=False, standalone=True, insecure=True)
 
@@ -138,9 +132,9 @@ def test_each_agent_process_writes_its_own_log_file(isolated_home: Path) -> None
     """An agent on another data port keeps its state and its log apart from the default one's:
     its corrupt term file stops only it, and says so in its own log file."""
     from coordinator.lab.local_cluster import free_port
-    from tests.conftest import run_cli
+    from tests.support.cli import run_cli
 
-    port = free_port()
+    port = free_port()  # (only a number: the agent stops at its corrupt term file before it binds)
     (isolated_home / "state" / f"port-{port}").mkdir(parents=True)
     (isolated_home / "state" / f"port-{port}" / "term.json").write_text("{garbage")
     r = run_cli(
@@ -163,7 +157,7 @@ def test_each_agent_process_writes_its_own_log_file(isolated_home: Path) -> None
 
 
 def test_a_corrupt_term_file_stops_the_agent_with_a_clear_error(isolated_home: Path) -> None:
-    from tests.conftest import run_cli
+    from tests.support.cli import run_cli
 
     (isolated_home / "state").mkdir(parents=True)
     (isolated_home / "state" / "term.json").write_text("{garbage")

@@ -29,7 +29,7 @@ from agent.doctor.report import (
     overall,
     render_table,
 )
-from tests.conftest import run_cli
+from tests.support.cli import run_cli
 
 IN_USE = "Address already in use"
 IDLE_READINGS: dict[str, Any] = {"idle_s": 3.0, "temp_c": None, "on_battery": False, "foreground_cpu": 0.1}

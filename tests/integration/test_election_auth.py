@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 import time
 import urllib.request
 from collections.abc import AsyncIterator
@@ -45,8 +44,9 @@ from agent.security.datagrams import Plain, Receiver, Signed, sealed
 from agent.security.transport import Transport
 from coordinator.lab.local_cluster import LocalCluster, free_port
 from tests.support.members import Home, make_member
-from tests.support.udp import agreed, until
+from tests.support.udp import agreed, async_agreement, async_start_static
 from tests.support.udp import ask as _ask_udp
+from tests.support.wait import async_wait_until, wait_until
 
 
 async def send(port: int, frame: bytes, wait: float = 0.4) -> bytes | None:
@@ -88,16 +88,6 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     return Pki(ca, members, impostor, revoked, outsider)
 
 
-def _ports(n: int) -> list[int]:
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 @dataclass
 class Trio:
     electors: list[Elector]
@@ -106,20 +96,17 @@ class Trio:
 
 @pytest.fixture
 async def trio(pki: Pki, tmp_path: Path) -> AsyncIterator[Trio]:
-    ports = _ports(4)
-    peers = tuple(("127.0.0.1", p) for p in ports)  # the last one is the tap: it records, never answers
     tapped: list[bytes] = []
     loop = asyncio.get_running_loop()
-    tap, _ = await loop.create_datagram_endpoint(
-        lambda: Receiver(lambda data, src: tapped.append(data)), local_addr=("127.0.0.1", ports[3])
+    tap, _ = await loop.create_datagram_endpoint(  # a static peer that records, never answers
+        lambda: Receiver(lambda data, src: tapped.append(data)), local_addr=("127.0.0.1", 0)
     )
     electors = []
-    for creds, p in zip(pki.members, ports, strict=False):
-        st = Settings(cluster_id=pki.cluster, port=p, mdns=False, static_peers=peers)
-        me = LocalNode(creds.node_id, pki.cluster, p, "0.1.0", 16 * GB, lambda: 8 * GB, score=10.0)
+    for creds in pki.members:
+        st = Settings(cluster_id=pki.cluster, port=0, mdns=False)
+        me = LocalNode(creds.node_id, pki.cluster, 0, "0.1.0", 16 * GB, lambda: 8 * GB, score=10.0)
         electors.append(Elector(me, st, TermStore(tmp_path / creds.node_id), FAST, Signed(creds)))
-    for e in electors:
-        await e.async_start("127.0.0.1")
+    await async_start_static(electors, also=(("127.0.0.1", tap.get_extra_info("sockname")[1]),))
     yield Trio(electors, tapped)
     for e in electors:
         await e.async_stop()
@@ -148,10 +135,15 @@ def _opened(frame: bytes) -> tuple[Sealed, Message]:
 
 async def test_signed_trio_elects_one_coordinator(trio: Trio) -> None:
     es = trio.electors
-    await until(lambda: agreed(es) is not None)
-    leader = agreed(es)
+    leader = await async_agreement(es)
     assert sum(e.role is Role.COORDINATOR for e in es) == 1
-    await asyncio.sleep(1.0)  # a second of beats and acknowledgements
+    # steady traffic: every elector sends 20 lean datagrams (about a second of beats to its two peers)
+    await async_wait_until(
+        lambda: [e.status()["election_traffic"]["sent"]["lean"]["datagrams"] for e in es],
+        15,
+        what="a second of beats from every elector",
+        ok=lambda sent: min(sent) >= 20,
+    )
     # every datagram on the wire is signed (the tap, never heard from, gets the certificate each time)
     assert trio.tapped and all(_opened(f)[0].cluster == es[0].me.cluster for f in trio.tapped)
     for e in es:
@@ -178,8 +170,7 @@ async def test_forged_foreign_revoked_impersonating_and_replayed_refused(
     trio: Trio, pki: Pki, caplog: pytest.LogCaptureFixture
 ) -> None:
     es = trio.electors
-    await until(lambda: agreed(es) is not None)
-    leader = agreed(es)
+    leader = await async_agreement(es)
     follower = next(e for e in es if e.role is Role.FOLLOWER)
     term, cid = follower.store.state.term, pki.cluster
     recorded = next(
@@ -222,7 +213,12 @@ async def test_forged_foreign_revoked_impersonating_and_replayed_refused(
     for what, code, frame in cases:
         before = follower.datagrams.refused[code]
         assert await send(follower.me.port, frame) is None, what  # no answer to a refused datagram
-        await until(lambda c=code, b=before: follower.datagrams.refused[c] > b, timeout=2)  # type: ignore[misc]
+        await async_wait_until(
+            lambda c=code: follower.datagrams.refused[c],  # type: ignore[misc]
+            2,
+            what=f"{what} counted as refused ({code})",
+            ok=lambda n, b=before: n > b,  # type: ignore[misc]
+        )
         assert any(f"[{code}," in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records), what
         assert follower.store.state.term == term and agreed(es) == leader, what
     assert not {"usurper", pki.revoked.node_id, pki.outsider.node_id} & set(follower.peers)
@@ -230,10 +226,12 @@ async def test_forged_foreign_revoked_impersonating_and_replayed_refused(
     # a valid datagram of a member is taken once; the same bytes again, or an older term after, are not
     ok = _seal(imp, _beat(cid, imp.node_id, term, "follower"))
     await send(follower.me.port, ok)
-    await until(lambda: imp.node_id in follower.peers, timeout=2)
+    await async_wait_until(lambda: imp.node_id in follower.peers, 2, what="the member's valid beat taken")
     await send(follower.me.port, ok)
     await send(follower.me.port, _seal(imp, _beat(cid, imp.node_id, term - 1, "follower")))
-    await until(lambda: follower.datagrams.refused["stale_term"] == 1, timeout=2)
+    await async_wait_until(
+        lambda: follower.datagrams.refused["stale_term"], 2, what="the older term refused", ok=lambda n: n == 1
+    )
     assert follower.datagrams.refused["replay"] == 2
     st = follower.status()
     assert st["election_traffic"]["refused"]["unsigned"] == 1 and st["datagrams_ignored"] >= len(cases) + 2
@@ -241,8 +239,7 @@ async def test_forged_foreign_revoked_impersonating_and_replayed_refused(
 
 async def test_old_term_beat_replayed_after_failover(trio: Trio) -> None:
     es = trio.electors
-    await until(lambda: agreed(es) is not None)
-    first = agreed(es)
+    first = await async_agreement(es)
     old = next(e for e in es if e.me.node == first)
     term = old.store.state.term
     recorded = [f for f in trio.tapped if (x := _opened(f))[0].node == first and isinstance(x[1], Beat)]
@@ -250,42 +247,54 @@ async def test_old_term_beat_replayed_after_failover(trio: Trio) -> None:
     old._task.cancel()  # a crash: the socket goes quiet
     old._transport.close()
     rest = [e for e in es if e is not old]
-    await until(lambda: agreed(rest) not in (None, first))
+    await async_agreement(rest, besides=first)
     now = {e.me.node: (e.store.state.term, e.leader()) for e in rest}
     assert all(t > term for t, _ in now.values())
     for e in rest:
         await send(e.me.port, recorded[-1])  # the old coordinator's last beat, of an older term
-        await until(lambda e=e: e.datagrams.refused["replay"] >= 1, timeout=2)  # type: ignore[misc]
-    await asyncio.sleep(0.3)
+        await async_wait_until(
+            lambda e=e: e.datagrams.refused["replay"],  # type: ignore[misc]
+            2,
+            what=f"the replay refused by {e.me.node}",
+            ok=lambda n: n >= 1,
+        )
+    await asyncio.sleep(0.3)  # a window, not a wait: a replay taken would move a term or a leader in it
     assert {e.me.node: (e.store.state.term, e.leader()) for e in rest} == now
 
 
 async def test_plaintext_and_signed_nodes_ignore_each_other(pki: Pki, tmp_path: Path) -> None:
     """A node without credentials and a member, each the other's static peer: neither hears the
     other (each coordinates alone), and each counts the other's datagrams as refused."""
-    p1, p2 = _ports(2)
-    peers = (("127.0.0.1", p1), ("127.0.0.1", p2))
     m = pki.members[1]
+    st = Settings(cluster_id=pki.cluster, port=0, mdns=False)  # the static peers: once each has its port
     plain = Elector(
-        LocalNode("plainnode", pki.cluster, p1, "0.1.0", 16 * GB, lambda: 8 * GB),
-        Settings(cluster_id=pki.cluster, port=p1, mdns=False, static_peers=peers),
+        LocalNode("plainnode", pki.cluster, 0, "0.1.0", 16 * GB, lambda: 8 * GB),
+        st,
         TermStore(tmp_path / "plain"),
         FAST,
     )
     secure = Elector(
-        LocalNode(m.node_id, pki.cluster, p2, "0.1.0", 16 * GB, lambda: 8 * GB),
-        Settings(cluster_id=pki.cluster, port=p2, mdns=False, static_peers=peers),
+        LocalNode(m.node_id, pki.cluster, 0, "0.1.0", 16 * GB, lambda: 8 * GB),
+        st,
         TermStore(tmp_path / "secure"),
         FAST,
         Signed(m),
     )
     assert isinstance(plain.datagrams, Plain)
-    for e in (plain, secure):
-        await e.async_start("127.0.0.1")
+    await async_start_static([plain, secure])
     try:
-        await until(lambda: plain.leader() == "plainnode" and secure.leader() == m.node_id)
-        await asyncio.sleep(0.5)
-        assert plain.datagrams.refused["signed"] > 0 and secure.datagrams.refused["unsigned"] > 0
+        await async_wait_until(
+            lambda: (plain.leader(), secure.leader()),
+            15,
+            what="each coordinating alone",
+            ok=lambda v: v == ("plainnode", m.node_id),
+        )
+        await async_wait_until(
+            lambda: (plain.datagrams.refused["signed"], secure.datagrams.refused["unsigned"]),
+            15,
+            what="each to refuse the other's datagrams",
+            ok=lambda counts: min(counts) > 0,
+        )
         assert not plain.peers and not secure.peers
         assert {h["coordinator"] for h in plain.history} == {"plainnode"}
         assert {h["coordinator"] for h in secure.history} == {m.node_id}
@@ -321,7 +330,7 @@ async def test_fence_waits_for_the_election_to_admit_a_new_term() -> None:
     state = TermState(3, None, "aaa")
     fence = CoordinatorFence(lambda: state, wait_s=3.0)
     check = asyncio.ensure_future(fence.async_check(data_term(4), "bbb"))
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(0.2)  # a window, not a wait: no beat of term 4 yet, so the check must still be held
     assert not check.done()
     state = TermState(4, "bbb", "bbb")  # its first beat arrives
     await asyncio.wait_for(check, 2)
@@ -360,21 +369,22 @@ async def _assign_over_tls(creds: Credentials, port: int, msg: Assign) -> Messag
 
 
 def test_assignments_only_from_the_elected_coordinator(pki: Pki, tmp_path: Path) -> None:
+    # (ports picked before the agents bind them: each is the other's static peer, and a port's node
+    # id, which its certificate names, comes before the process; LocalCluster needs them known)
     homes = [Home(tmp_path / h, free_port()) for h in ("x", "y")]
     creds = []
     for h in homes:
         creds.append(make_member(pki.ca, files.security_dir(h.security), h.node()))
     envs = [{**h.env, "LAKESHARD_SHARED_CACHE": str(tmp_path / "cache")} for h in homes]
     with LocalCluster(2, elect=["--device", "CPU"], agent_envs=envs, ports=[h.port for h in homes], secure=True) as c:
-        deadline = time.monotonic() + 60
-        while True:
-            views = [_get(p, "/v1/cluster") for p in c.api_ports]
-            leaders = {v.get("coordinator") for v in views}
-            if len(leaders) == 1 and None not in leaders:
-                break
-            assert time.monotonic() < deadline, views
-            time.sleep(0.3)
-        leader = leaders.pop()
+        views = wait_until(
+            lambda: [_get(p, "/v1/cluster") for p in c.api_ports],
+            60,
+            what="both agents to follow one coordinator",
+            ok=lambda vs: len({v.get("coordinator") for v in vs}) == 1 and vs[0].get("coordinator") is not None,
+            step=0.3,
+        )
+        leader = views[0]["coordinator"]
         for v in views:  # signed beats between the two, none refused but while certificates were learnt
             traffic = v["election_traffic"]
             assert traffic["mode"] == "signed" and set(traffic["refused"]) <= {"unknown_cert"}, v  # type: ignore[index]

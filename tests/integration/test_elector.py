@@ -8,7 +8,6 @@ seven terms (each restarting the coordinator's services) before they served."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -20,35 +19,22 @@ from agent.cluster.node_state import TermStore
 from agent.cluster.peers import LocalNode
 from agent.common.config import Settings
 from agent.protocol import Ack, Beat, DeviceOffer, Vote, VoteRequest, decode, encode
-from tests.support.udp import agreed, ask, until
+from tests.support.udp import agreed, ask, async_agreement, async_start_static, views
+from tests.support.wait import async_wait_until
 
 GB = 1024**3
 
 
-def _ports(n: int) -> list[int]:
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def _node(name: str, port: int, cluster: str = "t") -> LocalNode:
-    return LocalNode(name, cluster, port, "0.1.0", 16 * GB, lambda: 8 * GB, score=10.0)
+def _node(name: str, cluster: str = "t") -> LocalNode:
+    """A node whose elector takes a free port (0) when it starts."""
+    return LocalNode(name, cluster, 0, "0.1.0", 16 * GB, lambda: 8 * GB, score=10.0)
 
 
 @pytest.fixture
 async def trio(tmp_path: Path) -> AsyncIterator[list[Elector]]:
-    ports = _ports(3)
-    peers = tuple(("127.0.0.1", p) for p in ports)
-    electors = []
-    for i, p in enumerate(ports):
-        st = Settings(cluster_id="t", port=p, mdns=False, static_peers=peers)
-        electors.append(Elector(_node(f"n{i}", p), st, TermStore(tmp_path / f"n{i}")))
-    for e in electors:
-        await e.async_start("127.0.0.1")
+    st = Settings(cluster_id="t", port=0, mdns=False)  # the static peers: once each has its port
+    electors = [Elector(_node(f"n{i}"), st, TermStore(tmp_path / f"n{i}")) for i in range(3)]
+    await async_start_static(electors)
     yield electors
     for e in electors:
         await e.async_stop()
@@ -60,8 +46,7 @@ def _beat(cluster: str, node: str, term: int, role: str = "coordinator") -> byte
 
 
 async def test_one_coordinator_then_failover_with_a_higher_term(trio: list[Elector]) -> None:
-    await until(lambda: agreed(trio) is not None)
-    first = agreed(trio)
+    first = await async_agreement(trio)
     old = next(e for e in trio if e.me.node == first)
     term = old.store.state.term
     # a crash: no goodbye, the socket just goes quiet
@@ -69,7 +54,7 @@ async def test_one_coordinator_then_failover_with_a_higher_term(trio: list[Elect
     old._task.cancel()
     old._transport.close()
     rest = [e for e in trio if e is not old]
-    await until(lambda: agreed(rest) not in (None, first))
+    await async_agreement(rest, besides=first)
     assert all(e.store.state.term > term for e in rest)
     # each survivor admitted one coordinator per term
     for e in rest:
@@ -79,7 +64,7 @@ async def test_one_coordinator_then_failover_with_a_higher_term(trio: list[Elect
 
 
 async def test_stale_and_foreign_commands_are_refused(trio: list[Elector]) -> None:
-    await until(lambda: agreed(trio) is not None)
+    await async_agreement(trio)
     follower = next(e for e in trio if e.role.value == "follower")
     term = follower.store.state.term
     reply = await ask(follower.me.port, _beat("t", "usurper", term - 1))
@@ -100,11 +85,10 @@ async def test_stale_and_foreign_commands_are_refused(trio: list[Elector]) -> No
 
 
 async def test_a_paused_coordinator_hands_over(trio: list[Elector]) -> None:
-    await until(lambda: agreed(trio) is not None)
-    first = agreed(trio)
+    first = await async_agreement(trio)
     coord = next(e for e in trio if e.me.node == first)
     coord.me.state = "paused"
-    await until(lambda: agreed(trio) not in (None, first))
+    await async_agreement(trio, besides=first)
     assert coord.status()["not_eligible_because"] == "paused"
 
 
@@ -122,9 +106,8 @@ async def test_beats_carry_each_devices_offer(trio: list[Elector]) -> None:
         p = trio[1].peers.get("n0")
         return p.beat if p is not None and p.beat is not None and p.beat.offers else None
 
-    await until(lambda: heard() is not None)
-    b = heard()
-    assert b is not None and b.mem_free == 8 * GB and b.score == 10.0
+    b = await async_wait_until(heard, 15, what="n0's beat with its offers at n1")
+    assert b.mem_free == 8 * GB and b.score == 10.0
     assert b.offers == (
         DeviceOffer("CPU", 10.0, 8 * GB),
         DeviceOffer("GPU", 30.0, 8 * GB),
@@ -143,9 +126,9 @@ def _fenced(es: list[Elector]) -> None:
 
 
 async def test_three_agents_started_together_settle_within_two_terms(trio: list[Elector]) -> None:
-    await until(lambda: agreed(trio) is not None)
-    coord = agreed(trio)
-    # a few more beats and timeouts: nobody stands again once a coordinator is heard
+    coord = await async_agreement(trio)
+    # a few more beats and timeouts: nobody stands again once a coordinator is heard (a window,
+    # not a wait: nothing is to happen in it)
     await asyncio.sleep(3 * trio[0].timing.peer_timeout_s)
     assert agreed(trio) == coord
     assert {e.store.state.term for e in trio} == {trio[0].store.state.term} and trio[0].store.state.term <= 2
@@ -168,34 +151,39 @@ def _resume(e: Elector) -> None:
 
 
 async def test_a_coordinator_back_from_a_stall_follows_its_successor(trio: list[Elector]) -> None:
-    await until(lambda: agreed(trio) is not None)
-    first = agreed(trio)
+    first = await async_agreement(trio)
     old = next(e for e in trio if e.me.node == first)
     rest = [e for e in trio if e is not old]
     _stall(old)
-    await until(lambda: agreed(rest) not in (None, first))
-    successor = agreed(rest)
+    successor = await async_agreement(rest, besides=first)
     term = max(e.store.state.term for e in rest)
     _resume(old)  # it reads the election it missed (a candidate's beats and vote request) first
-    await until(lambda: agreed(trio) is not None and old.role is Role.FOLLOWER)
-    await asyncio.sleep(3 * old.timing.peer_timeout_s)
+    await async_wait_until(
+        lambda: agreed(trio) is not None and old.role is Role.FOLLOWER,
+        15,
+        what="the old coordinator following, all three agreed",
+        diagnose=lambda: views(trio),
+    )
+    await asyncio.sleep(3 * old.timing.peer_timeout_s)  # a window in which a fight would show (no wait)
     assert agreed(trio) == successor  # the one elected meanwhile keeps coordinating...
     assert {e.store.state.term for e in trio} == {term}  # ...in the term it was elected in: no fight
     _fenced(trio)
 
 
 async def test_a_voter_does_not_stand_against_the_candidate_it_voted_for(tmp_path: Path) -> None:
-    (port,) = _ports(1)
     # (a long peer timeout: the old rule restarted a voter's clock only that far back, which hid the fault)
     timing = Timing(peer_timeout_s=3.0, election_base_s=2.0, election_spread_s=0.0)
-    e = Elector(_node("n0", port), Settings(cluster_id="t", port=port, mdns=False), TermStore(tmp_path), timing)
+    e = Elector(_node("n0"), Settings(cluster_id="t", port=0, mdns=False), TermStore(tmp_path), timing)
     await e.async_start("127.0.0.1")
+    port = e.me.port  # the free port it bound
     try:
-        await asyncio.sleep(1.0)  # half its own election delay (2 s) gone
+        # the scenario's clock (not a wait): half its own election delay (2 s) gone when the request comes
+        await asyncio.sleep(1.0)
         req = VoteRequest("t", "cand", 9, 1, True, 1.0, GB)
         vote, _ = decode(await ask(port, encode(req)) or b"")
         assert isinstance(vote, Vote) and vote.granted
-        await asyncio.sleep(1.4)  # the candidate counts its votes, then beats (past the voter's own delay)
+        # the scenario's clock: the candidate counts its votes, then beats, past the voter's own delay
+        await asyncio.sleep(1.4)
         beat = Beat("t", "cand", 9, 1, "coordinator", "cand", "available", True, 1.0, GB, 2 * GB, ("CPU",), "0.1.0")
         ack, _ = decode(await ask(port, encode(beat)) or b"")
         assert isinstance(ack, Ack) and ack.accepted

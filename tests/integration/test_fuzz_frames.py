@@ -31,7 +31,7 @@ from coordinator.lab.fuzz_frames import TYPES, VICTIM_MARK, VICTIMS, join, mutat
 from coordinator.lab.live_fuzz import Hostile, generate, healthy, name_streams
 from coordinator.lab.local_cluster import LocalCluster
 from coordinator.service.coordinator import Coordinator
-from tests.conftest import exact_config
+from tests.support.exact import exact_config
 
 TERM = 1
 HIDDEN = 576

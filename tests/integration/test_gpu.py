@@ -198,7 +198,7 @@ def test_a_mixed_cluster_gpu_then_cpu_answers_like_the_cpu_chain(smollm2, export
     from coordinator.batching.scheduler import GenRequest
     from coordinator.lab.local_cluster import LocalCluster
     from coordinator.service.coordinator import Coordinator
-    from tests.conftest import exact_config
+    from tests.support.exact import exact_config
 
     want = Chain.load(exports[2].dir, device="CPU", exact=True).generate(prompts[3], max_tokens=TOKENS).tokens
 

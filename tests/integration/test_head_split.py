@@ -16,7 +16,7 @@ from agent.serving.stage_worker import HEAD_PROBE_EVERY, head_split_pays
 from coordinator.batching.scheduler import GenRequest
 from coordinator.lab.local_cluster import LocalCluster
 from coordinator.service.coordinator import Coordinator
-from tests.conftest import exact_config
+from tests.support.exact import exact_config
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from agent.common import paths
-from tests.conftest import Served, chat
+from tests.support.served import Served, chat
 
 HEARTBEAT_S = "1.5"  # a ping after 1.5 s of silence; no pong within 0.75 s closes the connection
 

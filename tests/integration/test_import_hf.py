@@ -13,7 +13,7 @@ import torch
 from agent.export.exporter import ExportOptions, export_model
 from agent.models.store import ModelStore
 from agent.runtime.chain import Chain
-from tests.conftest import PROMPTS
+from tests.support.prompts import PROMPTS
 
 
 @pytest.fixture(scope="module")

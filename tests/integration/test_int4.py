@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from agent.runtime.chain import Chain
-from tests.conftest import PROMPTS
 from tests.support.figures import report
+from tests.support.prompts import PROMPTS
 
 
 def test_int4_manifest_describes_the_stage(int4_exports: dict[int, Path], smollm2) -> None:  # type: ignore[no-untyped-def]

@@ -13,7 +13,8 @@ import msgpack
 import numpy as np
 
 from agent.protocol import Error, Fwd, Head, HeadTop, decode, encode
-from tests.conftest import PROMPTS, Served, chat
+from tests.support.prompts import PROMPTS
+from tests.support.served import Served, chat
 
 
 def _raw(header: dict[str, Any], payload: bytes = b"") -> bytes:

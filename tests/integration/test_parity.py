@@ -12,8 +12,8 @@ import torch
 from agent.export.exporter import ExportOptions, export_model
 from agent.runtime.chain import Chain
 from coordinator.planning.planner import balanced_split, model_costs
-from tests.conftest import PROMPTS
 from tests.support.figures import report
+from tests.support.prompts import PROMPTS
 
 TOKENS = 64
 

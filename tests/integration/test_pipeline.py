@@ -11,8 +11,10 @@ from typing import Any
 import pytest
 
 from coordinator.batching.scheduler import prefill_chunks
-from tests.conftest import PROMPTS, Served, chat, post_chat
+from tests.support.prompts import PROMPTS
 from tests.support.reference import reference_answer
+from tests.support.served import Served, chat, post_chat
+from tests.support.wait import wait_until
 
 
 def _head_steps(node: str) -> int:
@@ -213,10 +215,9 @@ def test_client_disconnect_cancels_generation_and_frees_streams(served3: Served)
         assert resp.readline()
     assert max(_node_streams(served3)) >= 1
     resp.close()  # the user closes the chat window
-    deadline = time.monotonic() + 20
-    while max(_node_streams(served3)) > 0:
-        assert time.monotonic() < deadline, "stages still hold the cancelled stream"
-        time.sleep(0.2)
+    wait_until(
+        lambda: _node_streams(served3), 20, what="the stages to let the cancelled stream go", ok=lambda s: max(s) == 0
+    )
 
 
 @pytest.mark.parametrize(
@@ -249,7 +250,6 @@ def test_an_agent_that_hangs_up_on_its_assignment_is_named_with_its_close_code(t
 
     from agent.common import aio
     from agent.security.transport import PLAINTEXT
-    from coordinator.lab.local_cluster import free_port
     from coordinator.ring.pipeline import Pipeline, PipelineError, StagePlacement
 
     (tmp_path / "manifest.json").write_text("{}")
@@ -266,9 +266,8 @@ def test_an_agent_that_hangs_up_on_its_assignment_is_named_with_its_close_code(t
         app.router.add_get("/ws", hang_up)
         runner = web.AppRunner(app)
         await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        node = f"127.0.0.1:{port}"
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        node = f"127.0.0.1:{runner.addresses[0][1]}"  # the free port it bound
         p = Pipeline(
             [StagePlacement(node, tmp_path)],
             export_id="x",
@@ -313,7 +312,7 @@ def test_a_huge_prompt_is_refused_without_holding_up_the_api(served3: Served, me
         s = time.monotonic()
         assert [m.id for m in client.models.list().data] == ["smollm2-135m"]
         waits.append(time.monotonic() - s)
-        time.sleep(0.05)
+        time.sleep(0.05)  # pacing the other client (the scenario, not a wait): a request every 50 ms
     t.join(60)
     err = answer.get("error")
     assert isinstance(err, openai.BadRequestError), answer
@@ -323,8 +322,6 @@ def test_a_huge_prompt_is_refused_without_holding_up_the_api(served3: Served, me
 
 def test_serve_exits_within_a_second_of_sigterm_ending_streams_with_an_error(smollm2) -> None:  # type: ignore[no-untyped-def]
     import openai
-
-    from tests.conftest import Served
 
     s = Served(2, "--model", "smollm2-135m", "--weights", "int8")
     try:

@@ -24,7 +24,8 @@ from gui.chat.window import ChatWindow
 from gui.client import Client
 from gui.nodemap import NodeMapWindow, node_lines
 from tests.support.fake_agent import FULL, FakeCoordinator
-from tests.support.qt import run, until
+from tests.support.qt import run
+from tests.support.wait import async_wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -116,13 +117,23 @@ def test_the_chat_banner_follows_the_preparation_live_and_goes_when_ready(
     qloop: asyncio.AbstractEventLoop, agent: Preparing503, window: Callable[[], ChatWindow]
 ) -> None:
     w = window()
-    run(qloop, until("the first step", lambda: "Preparing smollm2-135m: exporting stage 1 of 3" in w.banner.text()))
+    run(
+        qloop,
+        async_wait_until(
+            lambda: "Preparing smollm2-135m: exporting stage 1 of 3" in w.banner.text(), what="the first step"
+        ),
+    )
     assert w.banner.isVisibleTo(w) and w.reachable is False and w.model.count() == 0
     assert "No coordinator is reachable" not in w.banner.text()  # one answers: it prepares
     assert w.model.placeholderText() == "smollm2-135m" and "first start can take several minutes" in w.banner.text()
 
     agent.say(EXPORT_2)
-    run(qloop, until("the next stage", lambda: "exporting stage 2 of 3 (compressing weights), 40%" in w.banner.text()))
+    run(
+        qloop,
+        async_wait_until(
+            lambda: "exporting stage 2 of 3 (compressing weights), 40%" in w.banner.text(), what="the next stage"
+        ),
+    )
     assert w.prep_bar.isVisibleTo(w) and w.prep_bar.value() == 40
 
     w.input.setPlainText("Say hello.")  # typed while it prepares: kept, and sent once ready
@@ -130,14 +141,24 @@ def test_the_chat_banner_follows_the_preparation_live_and_goes_when_ready(
     assert w.pending_send and "will be sent" in w.banner.text() and w.store.messages(w.conversation or 0) == []
 
     agent.say(COMPILING)
-    run(qloop, until("compiling", lambda: "Preparing smollm2-135m: compiling on 2 nodes (1 ready)" in w.banner.text()))
+    run(
+        qloop,
+        async_wait_until(
+            lambda: "Preparing smollm2-135m: compiling on 2 nodes (1 ready)" in w.banner.text(), what="compiling"
+        ),
+    )
     assert not w.prep_bar.isVisibleTo(w)  # (no percent to show)
 
     agent.serving = True
     agent.say(Preparation(MODEL, "ready", nodes=(NodeStep("aaa", "ready"), NodeStep("bbb", "ready"))))
-    run(qloop, until("the model list", lambda: w.reachable and w.model.currentText() == MODEL, 10))
+    run(qloop, async_wait_until(lambda: w.reachable and w.model.currentText() == MODEL, 10, what="the model list"))
     assert not w.banner.isVisibleTo(w) and not w.prep_bar.isVisibleTo(w)
-    run(qloop, until("the answer", lambda: len(w.store.messages(w.conversation or 0)) == 2 and w.streaming is None))
+    run(
+        qloop,
+        async_wait_until(
+            lambda: len(w.store.messages(w.conversation or 0)) == 2 and w.streaming is None, what="the answer"
+        ),
+    )
     assert [m.content for m in w.store.messages(w.conversation or 0)] == ["Say hello.", FULL]
 
 
@@ -145,9 +166,9 @@ def test_a_failed_preparation_says_why_and_what_to_do(
     qloop: asyncio.AbstractEventLoop, agent: Preparing503, window: Callable[[], ChatWindow]
 ) -> None:
     w = window()
-    run(qloop, until("the first step", lambda: "exporting stage 1 of 3" in w.banner.text()))
+    run(qloop, async_wait_until(lambda: "exporting stage 1 of 3" in w.banner.text(), what="the first step"))
     agent.say(Preparation(MODEL, "failed", error="exporting stage 1 of 3 failed: MemoryError"))
-    run(qloop, until("the failure", lambda: "could not prepare smollm2-135m" in w.banner.text()))
+    run(qloop, async_wait_until(lambda: "could not prepare smollm2-135m" in w.banner.text(), what="the failure"))
     assert "MemoryError" in w.banner.text() and "Open logs folder" in w.banner.text()
     assert w.banner.styleSheet() == preparing.ERROR and not w.prep_bar.isVisibleTo(w)
 

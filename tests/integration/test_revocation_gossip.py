@@ -27,6 +27,7 @@ from agent.security.errors import SecurityError
 from agent.security.transport import Transport
 from coordinator.lab.local_cluster import LocalCluster
 from tests.support.members import exchange, make_member
+from tests.support.wait import async_wait_until
 
 
 async def _local(s: aiohttp.ClientSession, port: int, path: str, body: dict[str, Any] | None = None) -> Any:
@@ -37,16 +38,6 @@ async def _local(s: aiohttp.ClientSession, port: int, path: str, body: dict[str,
     async with s.post(url, data=json.dumps(body), headers={"Content-Type": "application/json"}) as r:
         assert r.status == 200, await r.text()
         return await r.json()
-
-
-async def _until(what: str, check: Any, timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = await check()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"not within {timeout:.0f} s: {what}"
-        await asyncio.sleep(0.25)
 
 
 async def _peer(s: aiohttp.ClientSession, port: int, node: str) -> dict[str, Any] | None:
@@ -75,7 +66,13 @@ async def _revoke_and_watch(c: LocalCluster) -> tuple[str, str, int]:
             return bool(p and p["alive"])
 
         for port, node in ((a1, n0), (a1, n2), (a0, n1)):
-            await _until(f"{node} alive at agent on {port}", lambda p=port, n=node: alive(p, n), 20)
+            await async_wait_until(
+                lambda p=port, n=node: _peer(s, p, n),  # type: ignore[misc]
+                20,
+                what=f"{node} alive at agent on {port}",
+                ok=lambda row: row is not None and row["alive"],
+                step=0.25,
+            )
         creds2 = Credentials.load(c.home(2) / "config" / "security")
         assert creds2.node_id == n2
         ctx2 = creds2.client_ssl_context()
@@ -84,7 +81,7 @@ async def _revoke_and_watch(c: LocalCluster) -> tuple[str, str, int]:
         # agent 2 holds a websocket open on agent 1's data port
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx2)) as s2:
             ws = await s2.ws_connect(f"wss://127.0.0.1:{c.ports[1]}/ws")
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # a window, not a wait: a member's link stays open (a refused one closes)
             assert not ws.closed
 
             t0 = time.monotonic()
@@ -92,11 +89,13 @@ async def _revoke_and_watch(c: LocalCluster) -> tuple[str, str, int]:
             version = int(answer["version"])
             assert version == before + 1 and not answer["already"], answer
 
-            async def learnt() -> dict[str, Any] | None:
-                i = await _local(s, a1, "/v1/cluster/identity")
-                return i if i["revocation_version"] == version else None
-
-            ident = await _until("agent 1 adopts the new list", learnt, 10)
+            ident = await async_wait_until(
+                lambda: _local(s, a1, "/v1/cluster/identity"),
+                10,
+                what="agent 1 to adopt the new list",
+                ok=lambda i: i["revocation_version"] == version,
+                step=0.25,
+            )
             took = time.monotonic() - t0
             assert n2 in ident["revoked"], ident
             # the websocket agent 2 had open is closed
@@ -107,18 +106,19 @@ async def _revoke_and_watch(c: LocalCluster) -> tuple[str, str, int]:
         refused = not isinstance(got, bytes) or got == b"" or got.startswith(b"HTTP/1.1 403")
         assert refused, got
         # its signed beats are refused as revoked: it drops out of agent 1's live peers
-        await _until("agent 2 is no longer a live peer of agent 1", lambda: _not_alive(s, a1, n2), 10)
+        await async_wait_until(
+            lambda: _peer(s, a1, n2),
+            10,
+            what="agent 2 to be no longer a live peer of agent 1",
+            ok=lambda row: row is None or not row["alive"],
+            step=0.25,
+        )
         st = await _local(s, a1, "/v1/cluster")
         assert st["election_traffic"]["refused"].get("revoked", 0) > 0, st["election_traffic"]
         assert st["revocation"]["adopted"] == 1 and st["revocation"]["version"] == version, st["revocation"]
         assert await alive(a1, n0) and await alive(a0, n1)  # the rest of the cluster carries on
     print(f"agent 1 adopted revocation list v{version} {took:.1f} s after the revoke on agent 0")
     return n0, n2, version
-
-
-async def _not_alive(s: aiohttp.ClientSession, port: int, node: str) -> bool:
-    p = await _peer(s, port, node)
-    return p is None or not p["alive"]
 
 
 # -- lists that fail the check never replace the one held ---------------------------------------

@@ -10,7 +10,8 @@ import pytest
 from agent.runtime.chain import Chain
 from agent.runtime.sampling import Sampling
 from agent.runtime.stage import StageError
-from tests.conftest import PROMPTS, run_cli
+from tests.support.cli import run_cli
+from tests.support.prompts import PROMPTS
 
 
 @pytest.fixture(scope="module")

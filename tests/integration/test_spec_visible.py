@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from agent.common import aio
-from tests.conftest import Served
+from tests.support.served import Served
 
 # A prompt whose answer repeats what it was given: prompt lookup finds drafts in it.
 PROMPT = (

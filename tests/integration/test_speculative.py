@@ -20,7 +20,7 @@ from coordinator.batching.scheduler import GenRequest
 from coordinator.ring.pipeline import run_token
 from coordinator.service.coordinator import Coordinator
 from coordinator.speculative.kpolicy import SpecStats
-from tests.conftest import exact_config
+from tests.support.exact import exact_config
 from tests.support.figures import report
 
 QUESTIONS = [

@@ -10,7 +10,7 @@ import pytest
 
 from agent.models.registry import ModelSpec
 from agent.models.store import ChecksumError, ModelStore, StoreError
-from tests.conftest import run_cli
+from tests.support.cli import run_cli
 from tests.support.wheels import make_wheel
 
 

@@ -1,4 +1,4 @@
-"""`lakeshard agent` processes in homes of their own, as a user starts them, and waiting on them."""
+"""`lakeshard agent` processes in homes of their own, as a user starts them."""
 
 from __future__ import annotations
 
@@ -7,15 +7,13 @@ import os
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from coordinator.lab.local_cluster import free_port
-from tests.conftest import REPO
+from tests.support.cli import REPO
 
 
 class Agent:
@@ -74,13 +72,3 @@ class Agent:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-
-
-def until(what: str, pred: Callable[[], Any], timeout: float = 60.0) -> Any:
-    end = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.2)

@@ -92,7 +92,7 @@ class FakeCoordinator:
             await event({"lakeshard": {"status": NOTE}, "choices": [], "something_new": {"ok": 1}})
             await self.go_on.wait()
             await resp.write(b": still here\n\n")
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # the scenario: half a second of silence, which must not end the answer
         for w in ANSWER[2:]:
             await piece(w)
         await piece("", "stop", lakeshard={"nodes": ["n1"], "completion_tokens": len(ANSWER)})

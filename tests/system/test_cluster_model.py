@@ -16,15 +16,16 @@ import re
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from coordinator.lab.local_cluster import LocalCluster
-from tests.conftest import post_chat, run_cli
+from tests.support.cli import run_cli
 from tests.support.figures import report
+from tests.support.served import post_chat
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(900)
 NAMES = ["alice-laptop", "bob-laptop", "carol-laptop"]
@@ -53,15 +54,8 @@ def _put(port: int, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         return e.code, json.loads(e.read())
 
 
-def until(what: str, check: Callable[[], Any], timeout: float, diagnose: Callable[[], Any] = lambda: None) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got is not None and got is not False:  # (an agent's index may be 0)
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:.0f} s: {what}; {diagnose()}")
-        time.sleep(0.25)
+def _found(got: Any) -> bool:
+    return got is not None and got is not False  # (an agent's index may be 0)
 
 
 def _listed(port: int) -> list[str]:
@@ -117,7 +111,7 @@ def test_the_cluster_serves_the_model_set_on_any_member(smollm2: Any, tmp_path: 
             i = coordinator()
             return i if i is not None and services(i) else None
 
-        ci = until("one coordinator, its services up", coordinating, 60, logs)
+        ci = wait_until(coordinating, 60, what="one coordinator, its services up", ok=_found, step=0.25, diagnose=logs)
 
         # nothing chosen: the chat says so, naming the coordinator's laptop
         status, body = post_chat(f"http://127.0.0.1:{ports[(ci + 1) % 3]}", CHAT, timeout=30)
@@ -141,7 +135,7 @@ def test_the_cluster_serves_the_model_set_on_any_member(smollm2: Any, tmp_path: 
         assert status == 200, body
         v1 = body["cluster"]["version"]
         assert body["cluster"]["set_by"] == nodes[setter] and body["cluster"]["label"].endswith(NAMES[setter])
-        until(f"every member holds v{v1}", lambda: holds(v1), 10)
+        wait_until(lambda: holds(v1), 10, what=f"every member holds v{v1}", ok=_found, step=0.25)
         spread = time.monotonic() - t0
         for p in ports:
             eff = _get(p, "/v1/cluster/model")["effective"]
@@ -152,7 +146,14 @@ def test_the_cluster_serves_the_model_set_on_any_member(smollm2: Any, tmp_path: 
         assert f"serves when elected: smollm2-135m: cluster setting v{v1} by {NAMES[setter]}" in shown.stdout
 
         # the elected coordinator serves it: a chat answer through another laptop's agent
-        ci = until("the coordinator serves smollm2-135m", lambda: serving("smollm2-135m"), 300, logs)
+        ci = wait_until(
+            lambda: serving("smollm2-135m"),
+            300,
+            what="the coordinator serves smollm2-135m",
+            ok=_found,
+            step=0.25,
+            diagnose=logs,
+        )
         serve1 = time.monotonic() - t0
         status, body = post_chat(f"http://127.0.0.1:{ports[(ci + 1) % 3]}", CHAT)
         assert status == 200 and body["choices"][0]["message"]["content"], body
@@ -163,8 +164,15 @@ def test_the_cluster_serves_the_model_set_on_any_member(smollm2: Any, tmp_path: 
         cli = run_cli("cluster", "model", "smollm2-alt", "--weights", "int8", "--api-port", str(ports[other]))
         assert cli.returncode == 0, cli.stderr
         assert f"by {NAMES[other]}: the cluster serves smollm2-alt (int8)" in cli.stdout, cli.stdout
-        until("every member holds the new setting", lambda: holds(v1 + 1), 10)
-        ci = until("the coordinator serves smollm2-alt", lambda: serving("smollm2-alt"), 300, logs)
+        wait_until(lambda: holds(v1 + 1), 10, what="every member holds the new setting", ok=_found, step=0.25)
+        ci = wait_until(
+            lambda: serving("smollm2-alt"),
+            300,
+            what="the coordinator serves smollm2-alt",
+            ok=_found,
+            step=0.25,
+            diagnose=logs,
+        )
         replan = time.monotonic() - t1
         assert _listed(ports[(ci + 1) % 3]) == ["smollm2-alt"]
         status, body = post_chat(f"http://127.0.0.1:{ports[(ci + 2) % 3]}", CHAT)
@@ -176,7 +184,14 @@ def test_the_cluster_serves_the_model_set_on_any_member(smollm2: Any, tmp_path: 
         c.kill(ci)
         alive.remove(ci)
         t2 = time.monotonic()
-        ni = until("another coordinator serves smollm2-alt", lambda: serving("smollm2-alt"), 300, logs)
+        ni = wait_until(
+            lambda: serving("smollm2-alt"),
+            300,
+            what="another coordinator serves smollm2-alt",
+            ok=_found,
+            step=0.25,
+            diagnose=logs,
+        )
         failover = time.monotonic() - t2
         assert ni != ci
         status, body = post_chat(f"http://127.0.0.1:{ports[alive[0]]}", CHAT)
@@ -208,7 +223,13 @@ def test_a_plaintext_cluster_shares_the_setting_unsigned_and_web_pages_cannot_se
             assert e.value.code == 403
         status, body = _put(a, {"model": "smollm2-135m", "draft": "lookup"})
         assert status == 200, body
-        held = until("the other agent holds it", lambda: (_get(b, "/v1/cluster/model") or {}).get("cluster"), 20)
+        held = wait_until(
+            lambda: (_get(b, "/v1/cluster/model") or {}).get("cluster"),
+            20,
+            what="the other agent holds it",
+            ok=_found,
+            step=0.25,
+        )
         assert (held["version"], held["model"], held["draft"], held["set_by_name"]) == (
             1,
             "smollm2-135m",

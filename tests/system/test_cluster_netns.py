@@ -21,6 +21,7 @@ from agent.protocol import Ack, Beat, decode, encode
 from coordinator.lab import netns
 from coordinator.lab.agents import API_PORT, DATA_PORT, AgentLab, agreed, summary
 from tests.support.figures import report
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.skipif(netns.available() is not None, reason=netns.available() or "")
 BOOT_S = 90.0  # four agents importing OpenVINO at once on two cores take a while
@@ -165,7 +166,7 @@ async def main():
     for info in infos:
         await azc.async_register_service(info, cooperating_responders=True)
     print("registered", flush=True)
-    await asyncio.sleep(float(sys.argv[2]))
+    await asyncio.sleep(float(sys.argv[2]))  # the scenario: the forged adverts stay up this long
     await azc.async_close()
 asyncio.run(main())
 """
@@ -212,9 +213,10 @@ def _serving(
 ) -> tuple[int, dict[str, Any], dict[int, dict[str, Any] | None]]:
     """Wait until the agreed coordinator among ``nodes`` serves a plan made with every node's
     measured speed (the same plan for ``settle_s``): its index, services status and the view."""
-    deadline = time.monotonic() + timeout
     since: tuple[float, Any] | None = None
-    while True:
+
+    def settled() -> tuple[int, dict[str, Any], dict[int, dict[str, Any] | None]] | None:
+        nonlocal since
         view = lab.clusters(nodes)
         coord = agreed(view, peers_alive=len(nodes) - 1)
         for i, v in view.items():
@@ -229,16 +231,24 @@ def _serving(
                 since = (time.monotonic(), sv["plan"])
             elif time.monotonic() - since[0] >= settle_s:
                 return i, sv, view
-        assert time.monotonic() < deadline, f"no settled pipeline within {timeout:.0f}s: {summary(view)}"
-        time.sleep(0.5)
+        return None
+
+    got = wait_until(
+        settled, timeout, what="a settled pipeline", step=0.5, diagnose=lambda: summary(lab.clusters(nodes))
+    )
+    assert got is not None
+    return got
 
 
 def _answer(lab: AgentLab, i: int, path: str, timeout: float = 20.0) -> dict[str, Any]:
     """GET node ``i``'s status API until it answers (a busy agent on loaded cores may miss one)."""
-    deadline = time.monotonic() + timeout
-    while (got := lab.get(i, path)) is None:
-        assert lab.alive(i) and time.monotonic() < deadline, f"node {i} does not answer {path}"
-        time.sleep(0.5)
+
+    def answer() -> dict[str, Any] | None:
+        assert lab.alive(i), f"node {i} exited"
+        return lab.get(i, path)
+
+    got = wait_until(answer, timeout, what=f"node {i} to answer {path}", ok=lambda g: g is not None, step=0.5)
+    assert got is not None
     return got
 
 
@@ -319,7 +329,8 @@ def test_secure_lab_forms_elects_and_serves_over_mtls_and_ignores_strangers(tmp_
             )
 
         lab.wait_for(refused, MEMBERS, 60)
-        time.sleep(3.0)  # a few more rounds of their beats (and elections of their own)
+        # a window, not a wait: a few more rounds of their beats (and elections of their own), none taken
+        time.sleep(3.0)
         view = lab.wait_for(lambda v: agreed(v, peers_alive=3) is not None, MEMBERS, ELECT_S)
         assert agreed(view) == coord
         for v in view.values():

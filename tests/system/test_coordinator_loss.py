@@ -25,8 +25,9 @@ import pytest
 
 from agent.node.capacity import probe
 from coordinator.lab.local_cluster import LocalCluster
-from tests.conftest import PROMPTS
 from tests.support.figures import report
+from tests.support.prompts import PROMPTS
+from tests.support.wait import wait_until
 
 SERVE = ["--serve-model", "smollm2-135m", "--serve-weights", "int8", "--serve-exact", "--serve-api-port", "0"]
 TOKENS = 120
@@ -47,16 +48,26 @@ def _services(c: LocalCluster, i: int) -> dict[str, Any] | None:
 
 def _coordinator(c: LocalCluster, among: list[int], timeout: float, ready: bool = True) -> int:
     """The agent among ``among`` that serves (and, with ``ready``, whose fallback is prepared)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def serving() -> int | None:
         for i in among:
             sv = _services(c, i)
             if sv and sv["state"] == "failed":
                 raise AssertionError(sv["error"])
             if sv and sv["state"] == "serving" and (not ready or len(sv["needed_exports"]) == min(len(sv["plan"]), 2)):
                 return i
-        time.sleep(0.5)
-    raise TimeoutError(f"no coordinator served within {timeout:.0f}s: {[_services(c, i) for i in among]}")
+        return None
+
+    got = wait_until(
+        serving,
+        timeout,
+        what="a coordinator to serve",
+        ok=lambda i: i is not None,
+        step=0.5,
+        diagnose=lambda: [_services(c, i) for i in among],
+    )
+    assert got is not None
+    return got
 
 
 @pytest.fixture

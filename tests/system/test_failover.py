@@ -21,7 +21,7 @@ from coordinator.lab.local_cluster import LocalCluster
 from coordinator.ring.pipeline import PipelineError
 from coordinator.service.config import ServeConfig
 from coordinator.service.coordinator import Coordinator
-from tests.conftest import exact_config
+from tests.support.exact import exact_config
 from tests.support.figures import report
 
 TOKENS = 200

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -26,6 +27,7 @@ from agent.protocol.codec import ProtocolError
 from agent.protocol.events import CoordinatorLost, Preparing, Snapshot, apply_event, parse_event
 from coordinator.service.preparing import Preparer, node_key, node_step, sent_percent, stage_files
 from tests.support.figures import report
+from tests.support.wait import async_wait_until, wait_until
 
 A = NodeInfo("aaa", "laptop-a", "10.0.0.1:7700", "coordinator", "available")
 B = NodeInfo("bbb", "laptop-b", "10.0.0.2:7700", "follower", "available")
@@ -263,14 +265,14 @@ async def _preparation_events(port: int, deadline: float) -> list[dict[str, Any]
 
     seen: list[dict[str, Any]] = []
     async with aiohttp.ClientSession() as s:
-        while True:
-            try:
-                ws = await s.ws_connect(f"http://127.0.0.1:{port}/v1/cluster/events")
-                break
-            except aiohttp.ClientError:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.2)
+        ws = await async_wait_until(
+            lambda: s.ws_connect(f"http://127.0.0.1:{port}/v1/cluster/events"),
+            deadline - time.monotonic(),
+            what=f"agent {port}'s event stream",
+            ok=lambda ws: ws is not None,
+            step=0.2,
+            ignore=(aiohttp.ClientError,),
+        )
         async with ws:
             while time.monotonic() < deadline:
                 m = await ws.receive(timeout=max(deadline - time.monotonic(), 0.1))
@@ -305,16 +307,28 @@ def test_a_fresh_cluster_shows_exporting_compiling_and_ready_on_its_stream_and_i
             text=True,
             env={**os.environ, **env},
         )
+        printed: list[str] = []
+        reader = threading.Thread(target=lambda: printed.extend(watch.stdout or ()), daemon=True)
+        reader.start()
         try:
             events = asyncio.run(_preparation_events(port, time.monotonic() + 480))
             ready_s = time.monotonic() - t0
-            time.sleep(1.0)  # (status --watch prints the last step)
+            preps = [e.get("preparing") or (e.get("view") or {}).get("preparing") for e in events]
+            preps = [p for p in preps if p]
+            steps = [p["step"] for p in preps]
+            if steps and steps[-1] == "ready":  # status --watch prints that last step too
+                wait_until(
+                    lambda: any(ln.rstrip().endswith("preparing smollm2-135m: ready") for ln in printed),
+                    30,
+                    what="status --watch to print the ready step",
+                    step=0.1,
+                    diagnose=lambda: "".join(printed[-20:]),
+                )
         finally:
             watch.terminate()
-            out, _ = watch.communicate(timeout=30)
-    preps = [e.get("preparing") or (e.get("view") or {}).get("preparing") for e in events]
-    preps = [p for p in preps if p]
-    steps = [p["step"] for p in preps]
+            watch.wait(timeout=30)
+            reader.join(10)
+    out = "".join(printed)
     assert steps and steps[-1] == "ready", (steps, (tmp_path / "agent0.log").read_text()[-3000:])
     compiling = [
         i for i, p in enumerate(preps) if p["step"] == "compiling" or "compiling" in {n["step"] for n in p["nodes"]}

@@ -22,8 +22,9 @@ from agent.common.config import ConfigError, parse
 from agent.security import files
 from agent.security.credentials import Credentials
 from agent.security.transport import NO_CLUSTER_HINT
-from tests.conftest import run_cli
-from tests.support.agents import Agent, until
+from tests.support.agents import Agent
+from tests.support.cli import run_cli
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -62,7 +63,7 @@ def agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Agent, Ag
     a = Agent(root / "a", "--no-mdns", "--static-peers", peer)
     b = Agent(root / "b")
     try:
-        until("both local APIs", lambda: a.answers() and b.answers())
+        wait_until(lambda: a.answers() and b.answers(), 60, what="both local APIs")
         yield a, b, udp
     finally:
         a.stop()
@@ -115,7 +116,7 @@ def test_credentials_from_the_cli_or_the_local_api_start_it_without_a_restart(
     r = run_cli("cluster", "init", env=b.env)
     assert r.returncode == 0, r.stderr
     bc = Credentials.load(b.security)
-    until("b serving TLS", lambda: isinstance(exchange(b.port, bc.client_ssl_context()), tuple), 20)
+    wait_until(lambda: isinstance(exchange(b.port, bc.client_ssl_context()), tuple), 20, what="b serving TLS")
     node = b.get("/v1/node")
     assert node["cluster"] == bc.cluster_id and node["links"] == "TLS" and node["holds_ca"] and node["port"] == b.port
     assert any(f"listening on 127.0.0.1:{b.port} (TLS)" in x for x in b.lines), b.lines
@@ -173,7 +174,7 @@ def test_the_insecure_setting(tmp_path: Path) -> None:
     # 'insecure: true' in the settings: plaintext at once, said loudly
     a = Agent(tmp_path / "home", "--no-mdns", "--standalone", config="insecure: true\n")
     try:
-        until("it to listen", lambda: any("listening on" in x for x in a.lines), 60)
+        wait_until(lambda: any("listening on" in x for x in a.lines), 60, what="it to listen")
         assert any(f"127.0.0.1:{a.port} (PLAINTEXT)" in x for x in a.lines), a.lines
         assert any(x.startswith("WARNING") and "PLAINTEXT" in x for x in a.lines), a.lines
         got = exchange(a.port, None)

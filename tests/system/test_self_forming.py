@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,9 +17,10 @@ import pytest
 from agent.common.paths import cache_dir
 from coordinator.lab import netns
 from coordinator.lab.agents import DATA_PORT, AgentLab, agreed
-from tests.conftest import PROMPTS
 from tests.support.figures import report
+from tests.support.prompts import PROMPTS
 from tests.support.reference import reference_answer
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.skipif(netns.available() is not None, reason=netns.available() or "")
 SERVE_ARGS = ["--serve-model", "smollm2-135m", "--serve-weights", "int8", "--serve-exact"]
@@ -36,8 +36,8 @@ def lab(tmp_path: Path, smollm2) -> Iterator[AgentLab]:  # type: ignore[no-untyp
 
 def _serving(lab: AgentLab, nodes: list[int], timeout: float) -> tuple[int, dict[str, Any]]:
     """Wait until a coordinator among ``nodes`` serves; returns its index and services status."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def formed() -> tuple[int, dict[str, Any]] | None:
         view = lab.clusters(nodes)
         coord = agreed(view, peers_alive=len(nodes) - 1)
         for i, v in view.items():
@@ -46,8 +46,22 @@ def _serving(lab: AgentLab, nodes: list[int], timeout: float) -> tuple[int, dict
                 assert sv["state"] != "failed", sv["error"]
                 if sv["state"] == "serving":
                     return i, sv
-        time.sleep(0.5)
-    raise TimeoutError(f"no pipeline formed within {timeout:.0f}s: {lab.clusters(nodes)}")
+        return None
+
+    got = wait_until(formed, timeout, what="a pipeline formed", step=0.5, diagnose=lambda: lab.clusters(nodes))
+    assert got is not None
+    return got
+
+
+def _generating(lab: AgentLab, besides: int) -> bool:
+    """Whether a stage holds a stream: every node's data port asked from one namespace (not node
+    ``besides``, whose probe is busy carrying a request)."""
+    asker = next(k for k in range(lab.n) if k != besides)
+    for node in lab.lan.nodes:
+        r = lab.ask(asker, {"op": "get", "url": f"http://{node.ip}:{DATA_PORT}/v1/node", "timeout": 2})
+        if r.get("ok") and ((r["body"] or {}).get("stage") or {}).get("streams"):
+            return True
+    return False
 
 
 def _chat(lab: AgentLab, i: int, prompt: str, max_tokens: int) -> dict[str, Any]:
@@ -87,13 +101,15 @@ def test_agents_form_a_pipeline_and_a_new_coordinator_takes_over(lab, whole_int8
     if others:
         pi = next(k for k in range(3) if (lab.get(k, "/v1/node") or {}).get("node") == others[0])
         assert lab.post(pi, "/v1/node/state", {"state": "paused"}) is not None
-        deadline = time.monotonic() + 300
-        while True:
-            sv = lab.get(ci, "/v1/cluster")["services"]  # type: ignore[index]
-            if sv["replans"] and sv["state"] == "serving" and others[0] not in [st["node"] for st in sv["plan"]]:
-                break
-            assert time.monotonic() < deadline, sv
-            time.sleep(0.5)
+        sv = wait_until(
+            lambda: lab.get(ci, "/v1/cluster")["services"],  # type: ignore[index]
+            300,
+            what="a plan without the paused node",
+            ok=lambda sv: (
+                sv["replans"] and sv["state"] == "serving" and others[0] not in [st["node"] for st in sv["plan"]]
+            ),
+            step=0.5,
+        )
         r = _chat(lab, ci, PROMPTS[0], 48)
         assert r["ok"], r
         want = reference_answer(whole_int8, smollm2_tokenizer, PROMPTS[0], 48)
@@ -104,7 +120,7 @@ def test_agents_form_a_pipeline_and_a_new_coordinator_takes_over(lab, whole_int8
     outcome: list[dict[str, Any]] = []
     t = threading.Thread(target=lambda: outcome.append(_chat(lab, ci, PROMPTS[1], 400)))
     t.start()
-    time.sleep(1.0)
+    wait_until(lambda: _generating(lab, besides=ci), 60, what="the answer to be under way on a stage", step=0.2)
     lab.kill(ci)
     t.join(60)
     assert outcome and not outcome[0]["ok"]

@@ -19,7 +19,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +26,9 @@ import psutil
 import pytest
 
 from coordinator.lab.local_cluster import LocalCluster, free_port
-from tests.conftest import REPO
+from tests.support.cli import REPO
 from tests.support.figures import report
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(900)
 EXIT_S = 2.0  # what a laptop shutting down leaves a program (the issue's bound)
@@ -42,19 +42,12 @@ def _get(port: int, path: str) -> dict[str, Any]:
         return d
 
 
-def _until(what: str, pred: Callable[[], Any], timeout: float, step: float = 0.1) -> Any:
-    """``pred()`` once it is neither None nor False (an agent's index may be 0)."""
-    end = time.monotonic() + timeout
-    while True:
-        try:
-            v = pred()
-        except OSError:
-            v = None
-        if v is not None and v is not False:
-            return v
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(step)
+def _found(v: Any) -> bool:
+    """What the waits below accept: neither None nor False (an agent's index may be 0)."""
+    return v is not None and v is not False
+
+
+ANSWERING = (OSError,)  # an agent that does not answer yet: not yet, for the waits below
 
 
 def _signal(proc: subprocess.Popen[Any], sig: signal.Signals = signal.SIGTERM) -> float:
@@ -134,34 +127,48 @@ def test_a_serving_cluster_s_agents_leave_within_2s_of_sigterm_in_the_middle_of_
                     return i
             return None
 
-        try:
-            coord: int = _until("the cluster to serve on both agents", coordinator, 600, 0.5)
-        except AssertionError as e:
-            raise AssertionError(f"{e}\n{_logs(c)}") from None
+        coord: int = wait_until(
+            coordinator,
+            600,
+            what="the cluster to serve on both agents",
+            ok=_found,
+            step=0.5,
+            ignore=ANSWERING,
+            diagnose=lambda: _logs(c),
+        )
         stage = 1 - coord
         stage_node = _get(c.api_ports[stage], "/v1/node")["node"]
         assert stage_node in _live_peers(c.api_ports[coord])
 
         # the stage-only agent, in the middle of an answer (through the coordinator laptop's own agent)
         a = Answer(c.api_ports[coord])
-        _until("the answer's first words", a.streaming, 120)
+        wait_until(a.streaming, 120, what="the answer's first words", ok=_found, step=0.1, ignore=ANSWERING)
         took = _signal(c.procs[stage])
         t0 = time.monotonic()
         assert took < EXIT_S, f"the stage-only agent took {took:.2f} s to exit\n{_logs(c)}"
-        _until(
-            "the coordinator to count the stage's agent gone",
+        wait_until(
             lambda: stage_node not in _live_peers(c.api_ports[coord]),
             5,
-            0.05,
+            what="the coordinator to count the stage's agent gone",
+            ok=_found,
+            step=0.05,
+            ignore=ANSWERING,
         )
         seen_gone = time.monotonic() - t0 + took
 
         # the coordinator, in the middle of an answer (the one above, resumed by the failover, or a new one)
         before = a.pieces
-        _until("the answer to go on or end", lambda: a.finished.is_set() or a.pieces > before + 2, 180)
+        wait_until(
+            lambda: a.finished.is_set() or a.pieces > before + 2,
+            180,
+            what="the answer to go on or end",
+            ok=_found,
+            step=0.1,
+            ignore=ANSWERING,
+        )
         first = "resumed by the failover" if a.streaming() else f"ended ({a.ended})"
         b = a if a.streaming() else Answer(c.api_ports[coord])
-        _until("an answer's first words", b.streaming, 120)
+        wait_until(b.streaming, 120, what="an answer's first words", ok=_found, step=0.1, ignore=ANSWERING)
         took_coord = _signal(c.procs[coord])
         assert took_coord < EXIT_S, f"the coordinator's agent took {took_coord:.2f} s to exit\n{_logs(c)}"
         assert b.finished.wait(10), "the answer in flight did not end with the coordinator"
@@ -183,12 +190,19 @@ def test_agents_that_serve_nothing_leave_within_2s_of_sigterm_and_sigint() -> No
                 return None
             return next(i for i, n in enumerate(nodes) if n["node"] == n["coordinator"])
 
-        coord = _until("a coordinator", elected, 60)
+        coord = wait_until(elected, 60, what="a coordinator", ok=_found, step=0.1, ignore=ANSWERING)
         other = 1 - coord
         node = _get(c.api_ports[other], "/v1/node")["node"]
         took = _signal(c.procs[other], signal.SIGTERM)
         assert took < EXIT_S, f"the follower took {took:.2f} s to exit on SIGTERM"
-        _until("its peer to count it gone", lambda: node not in _live_peers(c.api_ports[coord]), 5, 0.05)
+        wait_until(
+            lambda: node not in _live_peers(c.api_ports[coord]),
+            5,
+            what="its peer to count it gone",
+            ok=_found,
+            step=0.05,
+            ignore=ANSWERING,
+        )
         took_coord = _signal(c.procs[coord], signal.SIGINT)
         assert took_coord < EXIT_S, f"the coordinator took {took_coord:.2f} s to exit on SIGINT"
         report(f"SIGTERM/SIGINT, no model: follower gone in {took:.2f} s, coordinator in {took_coord:.2f} s")
@@ -203,7 +217,14 @@ def test_an_agent_waiting_for_a_cluster_leaves_within_2s_of_sigterm(tmp_path: Pa
     cmd = [sys.executable, "-m", "agent", "agent", "--api-port", str(api), "--port", str(free_port()), "--no-mdns"]
     p = subprocess.Popen(cmd, env=_env(tmp_path), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _until("its local API", lambda: _get(api, "/v1/node")["state"] == "no_cluster", 60)
+        wait_until(
+            lambda: _get(api, "/v1/node")["state"] == "no_cluster",
+            60,
+            what="its local API",
+            ok=_found,
+            step=0.1,
+            ignore=ANSWERING,
+        )
         took = _signal(p)
         assert took < EXIT_S, f"an agent waiting for a cluster took {took:.2f} s to exit"
     finally:
@@ -223,10 +244,24 @@ def test_the_tray_quits_within_2s_and_stops_the_agent_it_started(tmp_path: Path)
     threading.Thread(target=lambda: out.extend(tray.stdout or ()), daemon=True).start()
     agents: list[psutil.Process] = []
     try:
-        _until("the agent the tray started", lambda: _get(api, "/v1/node")["node"], 90)
+        wait_until(
+            lambda: _get(api, "/v1/node")["node"],
+            90,
+            what="the agent the tray started",
+            ok=_found,
+            step=0.1,
+            ignore=ANSWERING,
+        )
         agents = [c for c in psutil.Process(tray.pid).children() if "agent" in c.cmdline()]
         assert len(agents) == 1
-        _until("the tray to follow it", lambda: any("following the agent" in line for line in out), 30)
+        wait_until(
+            lambda: any("following the agent" in line for line in out),
+            30,
+            what="the tray to follow it",
+            ok=_found,
+            step=0.1,
+            ignore=ANSWERING,
+        )
         took = _signal(tray)
         assert took < EXIT_S, f"the tray took {took:.2f} s to quit\n{''.join(out)}"
         assert not agents[0].is_running() or agents[0].status() == psutil.STATUS_ZOMBIE, "the tray left its agent"

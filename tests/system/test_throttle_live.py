@@ -18,9 +18,11 @@ from typing import Any
 import pytest
 
 from coordinator.lab.local_cluster import LocalCluster, free_port
-from tests.conftest import REPO, post_chat
+from tests.support.cli import REPO
 from tests.support.figures import report
-from tests.support.xserver import missing, touch, wait_for, xvfb
+from tests.support.served import post_chat
+from tests.support.wait import wait_until
+from tests.support.xserver import missing, touch, xvfb
 
 TOOLS = missing("Xvfb", "xdotool")
 pytestmark = [
@@ -61,18 +63,26 @@ def test_input_pauses_the_agent_within_a_second_and_idling_brings_it_back(tmp_pa
         agent = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{api}/v1/node"
         try:
-            wait_for("the agent", lambda: _try(url), 60)
-            node = wait_for("an idle display", lambda: (n := _try(url)) and _idle(n) and n, 30)
+            wait_until(lambda: _try(url), 60, what="the agent")
+            node = wait_until(lambda: _try(url), 30, what="an idle display", ok=lambda n: n and _idle(n))
             assert node["throttle"]["sources"]["idle"] == "XScreenSaver"
             stops, backs = [], []
             for trial in range(3):
                 t0 = time.monotonic()
                 touch(env, 20 + trial * 7, 30)
-                paused = wait_for("paused", lambda: (n := _try(url)) and n["state"] == "paused" and n, 5, 0.02)
+                paused = wait_until(
+                    lambda: _try(url), 5, what="paused", ok=lambda n: n and n["state"] == "paused", step=0.02
+                )
                 stops.append(time.monotonic() - t0)
                 assert paused["reason"] == "user active" and paused["throttle"]["readings"]["idle_s"] < 2
                 assert paused["reason_kind"] == "input"  # the typed kind: its user, not the machine
-                wait_for("available again", lambda: (n := _try(url)) and n["state"] == "available", 15, 0.05)
+                wait_until(
+                    lambda: _try(url),
+                    15,
+                    what="available again",
+                    ok=lambda n: n and n["state"] == "available",
+                    step=0.05,
+                )
                 backs.append(time.monotonic() - t0)
             assert max(stops) < 1.0, stops
             assert all(2.8 < b < 8.0 for b in backs), backs  # idle_minutes 0.05 = 3 s, then a 0.5 s dwell
@@ -145,7 +155,7 @@ def test_a_stage_node_paused_by_its_user_or_by_heat_hands_its_work_back_without_
                     return False
                 return bool(sv and sv["state"] == "serving" and len(sv["plan"]) == 3 and cl["coordinator"])
 
-            wait_for("three stages serving", serving_on_all, 600, 0.5)
+            wait_until(serving_on_all, 600, what="three stages serving", step=0.5)
             coord = next(a for a in apis if _get(f"{a}/v1/cluster").get("services"))
             status, plain = post_chat(
                 coord, {"messages": [{"role": "user", "content": prompt}], "max_tokens": 160, "temperature": 0}
@@ -154,18 +164,22 @@ def test_a_stage_node_paused_by_its_user_or_by_heat_hands_its_work_back_without_
             reference = plain["choices"][0]["message"]["content"]
 
             for how in ("input", "heat"):
-                wait_for("three stages again", serving_on_all, 120, 0.5)
+                wait_until(serving_on_all, 120, what="three stages again", step=0.5)
                 pieces: list[tuple[float, str]] = []
                 t = threading.Thread(target=_stream, args=(coord, prompt, 160, pieces))
                 t.start()
-                wait_for("a few tokens", lambda p=pieces: len(p) >= 20, 120, 0.02)  # type: ignore[misc]
+                wait_until(lambda p=pieces: len(p) >= 20, 120, what="a few tokens", step=0.02)  # type: ignore[misc]
                 t0 = time.monotonic()
                 if how == "input":
                     touch(xenv, 50, 60)
                 else:
                     fake.write_text(json.dumps({"temp_c": 95.0}))
-                paused = wait_for(
-                    "the pause", lambda: (n := _get(f"{victim}/v1/node"))["state"] == "paused" and n, 5, 0.02
+                paused = wait_until(
+                    lambda: _get(f"{victim}/v1/node"),
+                    5,
+                    what="the pause",
+                    ok=lambda n: n["state"] == "paused",
+                    step=0.02,
                 )
                 assert paused["reason"] == ("user active" if how == "input" else "95 C")
                 assert paused["reason_kind"] == ("input" if how == "input" else "heat")
@@ -173,7 +187,7 @@ def test_a_stage_node_paused_by_its_user_or_by_heat_hands_its_work_back_without_
                 text = "".join(p for _, p in pieces)
                 assert text == reference, how
                 frames = _get(f"{victim}/v1/node")["stage"]["frames"]
-                time.sleep(1.0)
+                time.sleep(1.0)  # a window, not a wait: a paused stage computes no frame in it
                 assert _get(f"{victim}/v1/node")["stage"]["frames"] == frames  # its compute thread stopped
                 resumed = next((ts for ts, _ in pieces if ts > t0), None)
                 report(
@@ -182,6 +196,12 @@ def test_a_stage_node_paused_by_its_user_or_by_heat_hands_its_work_back_without_
                 )
                 if how == "heat":
                     fake.write_text(json.dumps({"temp_c": 60.0}))
-                wait_for("the node back", lambda: _get(f"{victim}/v1/node")["state"] == "available", 30, 0.1)
+                wait_until(
+                    lambda: _get(f"{victim}/v1/node"),
+                    30,
+                    what="the node back",
+                    ok=lambda n: n["state"] == "available",
+                    step=0.1,
+                )
         finally:
             c.stop()

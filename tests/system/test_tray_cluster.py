@@ -23,9 +23,10 @@ from gui.chat.store import Store
 from gui.chat.window import ChatWindow
 from gui.client import Client
 from gui.tray import TrayApp
-from tests.conftest import post_chat
 from tests.support.figures import report
-from tests.support.qt import run, until
+from tests.support.qt import run
+from tests.support.served import post_chat
+from tests.support.wait import async_wait_until, wait_until
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -71,10 +72,7 @@ def served2(smollm2) -> Iterator[LocalCluster]:  # type: ignore[no-untyped-def]
         config="serve:\n  min_nodes: 2\n",
     ).start()
     try:
-        end = time.monotonic() + 600
-        while not all(_serving(p) for p in c.api_ports):
-            assert time.monotonic() < end, "the cluster did not start serving"
-            time.sleep(0.5)
+        wait_until(lambda: all(_serving(p) for p in c.api_ports), 600, what="the cluster to serve", step=0.5)
         yield c
     finally:
         c.stop()
@@ -112,9 +110,9 @@ def test_chat_streams_the_apis_answer_and_stop_cancels_it_on_the_cluster(
     async def ask(text: str) -> None:
         w.input.setPlainText(text)
         w.send()
-        await until("the answer", lambda: w.streaming is None and w.live is None, 120)
+        await async_wait_until(lambda: w.streaming is None and w.live is None, 120, what="the answer")
 
-    run(qloop, until("the coordinator", lambda: w.reachable and w.model.count() > 0, 60))
+    run(qloop, async_wait_until(lambda: w.reachable and w.model.count() > 0, 60, what="the coordinator"))
     assert w.model.currentText() == "smollm2-135m"
     w.system.setPlainText("You are a helpful assistant.")
     run(qloop, ask(question), 180)
@@ -156,12 +154,15 @@ def test_chat_streams_the_apis_answer_and_stop_cancels_it_on_the_cluster(
 
     watcher = asyncio.ensure_future(watch(), loop=qloop)
     # subscribed (its snapshot is in) before the stream starts, so none of its events is missed
-    run(qloop, until("the event stream", lambda: any(isinstance(e, Snapshot) for e in events), 30))
+    run(qloop, async_wait_until(lambda: any(isinstance(e, Snapshot) for e in events), 30, what="the event stream"))
     pieces.clear()
     w.input.setPlainText("Write a very long story about a dragon who learns to cook. Use many chapters.")
     w.send()
-    run(qloop, until("a few pieces", lambda: len(pieces) >= 3, 60))
-    started = run(qloop, until("its start", lambda: [e.stream for e in events if isinstance(e, StreamStarted)], 10))
+    run(qloop, async_wait_until(lambda: len(pieces) >= 3, 60, what="a few pieces"))
+    started = run(
+        qloop,
+        async_wait_until(lambda: [e.stream for e in events if isinstance(e, StreamStarted)], 10, what="its start"),
+    )
     assert len(started) == 1, events
     stopped_at = time.monotonic()
     w.stop()
@@ -169,17 +170,19 @@ def test_chat_streams_the_apis_answer_and_stop_cancels_it_on_the_cluster(
     def ended() -> list[StreamFinished]:
         return [e for e in events if isinstance(e, StreamFinished) and e.stream == started[0]]
 
-    try:
-        run(qloop, until("the stream to end on the coordinator", ended, 10))
-    except AssertionError as e:
-        raise AssertionError(
-            f"{e}: seen {[x for x in events if not isinstance(x, Snapshot)]}\n{_logs(served2)}"
-        ) from None
-    fin = ended()
+    fin = run(
+        qloop,
+        async_wait_until(
+            ended,
+            10,
+            what="the stream to end on the coordinator",
+            diagnose=lambda: f"seen {[x for x in events if not isinstance(x, Snapshot)]}\n{_logs(served2)}",
+        ),
+    )
     assert fin[-1].outcome == "cancelled", fin
     assert time.monotonic() - stopped_at < 5
     assert 3 <= fin[-1].tokens < 200
-    run(qloop, until("the window to settle", lambda: w.streaming is None))
+    run(qloop, async_wait_until(lambda: w.streaming is None, what="the window to settle"))
     assert w.store.messages(cid)[-1].stats.get("stopped") is True
     watcher.cancel()
     run(qloop, watching.close())
@@ -209,15 +212,18 @@ def test_with_no_coordinator_the_chat_says_so_keeps_the_message_and_sends_it_lat
     nobody = _api(free_port())
     client = Client(_api(far), coordinator_url=nobody)
     w = ChatWindow(client, Store(tmp_path / "c.sqlite3"))
-    run(qloop, until("the banner", lambda: w.reachable is False and w.banner.isVisibleTo(w), 20))
+    run(qloop, async_wait_until(lambda: w.reachable is False and w.banner.isVisibleTo(w), 20, what="the banner"))
     w.input.setPlainText("Say hello.")
     w.send()
     assert w.input.toPlainText() == "Say hello." and w.pending_send
     assert "will be sent" in w.banner.text() and w.store.messages(w.conversation or 0) == []
     # the coordinator becomes reachable (as after an election, or a corrected setting)
     client.coordinator_url = _api(far)
-    run(qloop, until("the message to go out", lambda: len(w.store.messages(w.conversation or 0)) == 2, 30))
-    run(qloop, until("its answer", lambda: w.streaming is None and w.live is None, 120))
+    run(
+        qloop,
+        async_wait_until(lambda: len(w.store.messages(w.conversation or 0)) == 2, 30, what="the message to go out"),
+    )
+    run(qloop, async_wait_until(lambda: w.streaming is None and w.live is None, 120, what="its answer"))
     msgs = w.store.messages(w.conversation or 0)
     assert [m.role for m in msgs] == ["user", "assistant"] and msgs[0].content == "Say hello."
     assert msgs[1].content and not w.banner.isVisibleTo(w) and w.input.toPlainText() == ""
@@ -227,19 +233,24 @@ def test_with_no_coordinator_the_chat_says_so_keeps_the_message_and_sends_it_lat
 
 def _settled(c: LocalCluster, timeout: float = 60.0) -> str:
     """Wait until every agent hears all the others and follows one coordinator; its node id."""
-    end = time.monotonic() + timeout
-    while True:
-        views = [_get(f"{_api(p)}/v1/cluster") for p in c.api_ports]
+    n = len(c.api_ports) - 1
+
+    def settled(views: list[dict[str, Any]]) -> bool:
         leaders = {v["coordinator"] for v in views}
-        n = len(c.api_ports) - 1
-        if (
+        return (
             len(leaders) == 1
             and None not in leaders
             and all(len([p for p in v["peers"] if p["alive"]]) == n for v in views)
-        ):
-            return str(leaders.pop())
-        assert time.monotonic() < end, views
-        time.sleep(0.25)
+        )
+
+    views = wait_until(
+        lambda: [_get(f"{_api(p)}/v1/cluster") for p in c.api_ports],
+        timeout,
+        what="every agent to hear the others and follow one coordinator",
+        ok=settled,
+        step=0.25,
+    )
+    return str(views[0]["coordinator"])
 
 
 @pytest.fixture(scope="module")
@@ -259,14 +270,14 @@ def test_the_tray_menu_pauses_and_resumes_this_laptop(qloop: asyncio.AbstractEve
     tray = TrayApp(Client(_api(c.api_ports[0])), poll_s=0.2, on_quit=lambda: quits.append(True))
     tray.start()
     try:
-        run(qloop, until("the agent's state", lambda: tray.node is not None, 20))
+        run(qloop, async_wait_until(lambda: tray.node is not None, 20, what="the agent's state"))
         tray.build_menu()
         assert tray.menu.actions()[0].text() == tray_status(tray)
         pause = tray.action("For 1 hour")
         assert pause is not None and tray.action("Resume contributing") is None
         t0 = time.time()
         pause.trigger()
-        run(qloop, until("paused", lambda: tray.node is not None and tray.node.state == "paused", 10))
+        run(qloop, async_wait_until(lambda: tray.node is not None and tray.node.state == "paused", 10, what="paused"))
         assert tray.node is not None and abs((tray.node.paused_until or 0) - (t0 + 3600)) < 30
         assert tray.state.value == "paused-user"
         tray.build_menu()
@@ -274,17 +285,23 @@ def test_the_tray_menu_pauses_and_resumes_this_laptop(qloop: asyncio.AbstractEve
         resume = tray.action("Resume contributing")
         assert resume is not None and tray.action("For 1 hour") is None
         resume.trigger()
-        run(qloop, until("available", lambda: tray.node is not None and tray.node.state == "available", 10))
+        run(
+            qloop,
+            async_wait_until(lambda: tray.node is not None and tray.node.state == "available", 10, what="available"),
+        )
         tray.build_menu()
         until_resumed = tray.action("Until I resume")
         assert until_resumed is not None
         until_resumed.trigger()
-        run(qloop, until("paused", lambda: tray.node is not None and tray.node.state == "paused", 10))
+        run(qloop, async_wait_until(lambda: tray.node is not None and tray.node.state == "paused", 10, what="paused"))
         assert tray.node is not None and tray.node.paused_until is None
         assert _get(f"{_api(c.api_ports[0])}/v1/node")["state"] == "paused"  # the agent itself, not only the icon
         tray.build_menu()
         tray.action("Resume contributing").trigger()  # type: ignore[union-attr]
-        run(qloop, until("available", lambda: tray.node is not None and tray.node.state == "available", 10))
+        run(
+            qloop,
+            async_wait_until(lambda: tray.node is not None and tray.node.state == "available", 10, what="available"),
+        )
         tray.build_menu()
         tray.action("Quit").trigger()  # type: ignore[union-attr]
         assert quits == [True]
@@ -316,7 +333,12 @@ def test_the_node_map_shows_a_node_pausing_and_dying_within_2_s_and_the_tray_a_n
         tray.show_map()
         m = tray.map
         m.resize(1100, 700)
-        run(qloop, until("all four nodes on the map", lambda: m.view is not None and len(m.view.nodes) == 4, 20))
+        run(
+            qloop,
+            async_wait_until(
+                lambda: m.view is not None and len(m.view.nodes) == 4, 20, what="all four nodes on the map"
+            ),
+        )
         assert m.view.coordinator == coord
         # the map is a picture of them: click the victim's box for its details
         m.canvas.grab()
@@ -329,14 +351,17 @@ def test_the_node_map_shows_a_node_pausing_and_dying_within_2_s_and_the_tray_a_n
 
         t0 = time.monotonic()
         _post(f"{_api(victim)}/v1/node/state", {"state": "paused"})
-        run(qloop, until("the pause on the map", lambda: m.view.node(nodes[victim]).state == "paused", 5))  # type: ignore[union-attr]
+        run(
+            qloop,
+            async_wait_until(lambda: m.view.node(nodes[victim]).state == "paused", 5, what="the pause on the map"),
+        )  # type: ignore[union-attr]
         paused_s = time.monotonic() - t0
         assert paused_s < 2.0, paused_s
         m.canvas.grab()
 
         t0 = time.monotonic()
         c.kill(c.api_ports.index(victim))
-        run(qloop, until("the death on the map", lambda: m.view.node(nodes[victim]) is None, 5))  # type: ignore[union-attr]
+        run(qloop, async_wait_until(lambda: m.view.node(nodes[victim]) is None, 5, what="the death on the map"))  # type: ignore[union-attr]
         died_s = time.monotonic() - t0
         assert died_s < 2.0, died_s
         assert any("left" in line for line in m.log_lines)
@@ -346,11 +371,18 @@ def test_the_node_map_shows_a_node_pausing_and_dying_within_2_s_and_the_tray_a_n
         c.kill(c.api_ports.index(by_id[coord]))
         lost = run(
             qloop,
-            until("a lost-coordinator notice", lambda: [n for n in tray.shown if "lost its coordinator" in n.text], 15),
+            async_wait_until(
+                lambda: [n for n in tray.shown if "lost its coordinator" in n.text],
+                15,
+                what="a lost-coordinator notice",
+            ),
         )
         assert lost
         new = run(
-            qloop, until("a new-coordinator notice", lambda: [n for n in tray.shown if "elected a new" in n.text], 20)
+            qloop,
+            async_wait_until(
+                lambda: [n for n in tray.shown if "elected a new" in n.text], 20, what="a new-coordinator notice"
+            ),
         )
         assert new and m.view is not None and m.view.coordinator in (nodes[mine], nodes[others[2]])
     finally:
@@ -413,8 +445,12 @@ def test_settings_are_checked_by_the_agent_written_and_applied(
             assert status == 400 and "for_s" in body["error"]["message"], bad
         node = _post(f"{api}/v1/node/state", {"state": "paused", "for_s": 1.5})
         assert node["state"] == "paused" and node["reason"] == "user"
-        time.sleep(3.0)
-        assert _get(f"{api}/v1/node")["state"] == "available"
+        wait_until(  # (the bound is the one the test always had: back within 3 s of a 1.5 s pause)
+            lambda: _get(f"{api}/v1/node"),
+            3.0,
+            what="the pause to end by itself",
+            ok=lambda n: n["state"] == "available",
+        )
         run(qloop, client.close())
 
 

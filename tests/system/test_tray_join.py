@@ -21,11 +21,11 @@ from coordinator.lab.local_cluster import free_port
 from gui.client import Client
 from gui.state import TrayState, waiting_for_cluster
 from gui.tray import TrayApp
-from tests.conftest import run_cli
 from tests.support.agents import Agent
-from tests.support.agents import until as wait_for
+from tests.support.cli import run_cli
 from tests.support.figures import report
-from tests.support.qt import run, until
+from tests.support.qt import run
+from tests.support.wait import async_wait_until, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 MEMBER_STATES = (TrayState.AVAILABLE, TrayState.COORDINATOR, TrayState.SERVING)
@@ -37,7 +37,7 @@ def laptops(tmp_path: Path) -> Iterator[tuple[Agent, Agent]]:
     h = Agent(tmp_path / "h", "--no-mdns", "--static-peers", f"127.0.0.1:{jp}", port=hp)
     j = Agent(tmp_path / "j", "--no-mdns", "--static-peers", f"127.0.0.1:{hp}", port=jp)
     try:
-        wait_for("both local APIs", lambda: h.answers() and j.answers())
+        wait_until(lambda: h.answers() and j.answers(), 60, what="both local APIs")
         yield h, j
     finally:
         h.stop()
@@ -55,7 +55,10 @@ def test_the_tray_creates_joins_invites_and_revokes(
     tj.start()
     try:
         # no credentials: the icon says no cluster, the menu offers to make or join one
-        run(qloop, until("h waiting", lambda: waiting_for_cluster(th.node) and waiting_for_cluster(tj.node)))
+        run(
+            qloop,
+            async_wait_until(lambda: waiting_for_cluster(th.node) and waiting_for_cluster(tj.node), what="h waiting"),
+        )
         assert th.state is TrayState.NO_CLUSTER and tj.state is TrayState.NO_CLUSTER
         th.build_menu()
         assert th.menu.actions()[0].text() == "not in a cluster yet: create one or join one"
@@ -64,7 +67,7 @@ def test_the_tray_creates_joins_invites_and_revokes(
 
         # Create: h holds the new cluster's CA and runs as a member
         th.action("Create a new cluster…").trigger()  # type: ignore[union-attr]
-        run(qloop, until("h a member", lambda: th.node is not None and th.node.holds_ca))
+        run(qloop, async_wait_until(lambda: th.node is not None and th.node.holds_ca, what="h a member"))
         assert asked == ["Create a new cluster"]
         assert any("holds its CA and is its first member" in n.text for n in th.shown), th.shown
         th.build_menu()
@@ -76,7 +79,7 @@ def test_the_tray_creates_joins_invites_and_revokes(
         inv.expires.setCurrentText("1h")
         inv.uses.setValue(2)
         inv.make_btn.click()
-        token = run(qloop, until("a token", lambda: inv.token.text()))
+        token = run(qloop, async_wait_until(lambda: inv.token.text(), what="a token"))
         assert token.startswith("lsj1-") and "2 uses" in inv.message.text() and inv.copy_btn.isEnabled()
         inv.copy_btn.click()
         r = run_cli("cluster", "join", token, env={"LAKESHARD_HOME": str(tmp_path / "other")}, timeout=60)
@@ -88,14 +91,14 @@ def test_the_tray_creates_joins_invites_and_revokes(
         jd = tj.join_dialog
         jd.token.setText("lsj1-AAAA")
         jd.join_btn.click()
-        run(qloop, until("the error", lambda: jd.message.text().startswith("not joined")))
+        run(qloop, async_wait_until(lambda: jd.message.text().startswith("not joined"), what="the error"))
         assert "too short" in jd.message.text() and "\n" not in jd.message.text() and jd.isVisible()
         assert waiting_for_cluster(tj.node)
         jd.token.setText(token)
         t0 = time.monotonic()
         jd.join_btn.click()
-        run(qloop, until("the dialog to close", lambda: not jd.isVisible()))
-        run(qloop, until("a member state", lambda: tj.state in MEMBER_STATES, 30))
+        run(qloop, async_wait_until(lambda: not jd.isVisible(), what="the dialog to close"))
+        run(qloop, async_wait_until(lambda: tj.state in MEMBER_STATES, 30, what="a member state"))
         took = time.monotonic() - t0
         assert took < 15, took
         report(f"tray join: a member state {took:.1f} s after Join (token checked over TLS, certificate issued)")
@@ -108,13 +111,16 @@ def test_the_tray_creates_joins_invites_and_revokes(
         hn, jn = th.node.node, tj.node.node  # type: ignore[union-attr]
         th.show_map()
         m = th.map
-        run(qloop, until("both nodes on the map", lambda: m.view is not None and len(m.view.nodes) == 2, 30))
+        run(
+            qloop,
+            async_wait_until(lambda: m.view is not None and len(m.view.nodes) == 2, 30, what="both nodes on the map"),
+        )
         m.show_node(hn)
         assert not m.revoke_btn.isEnabled()  # not itself
         m.show_node(jn)
         assert m.revoke_btn.isEnabled()
         m.revoke_btn.click()
-        run(qloop, until("revoked", lambda: "revoked node" in m.note.text()))
+        run(qloop, async_wait_until(lambda: "revoked node" in m.note.text(), what="revoked"))
         assert asked[-1] == "Revoke a laptop" and jn in cluster.status(h.security)["revoked"]
         tj.show_map()  # the other laptop's map cannot revoke
         tj.map.show_node(hn)

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from coordinator.lab.local_cluster import free_port
-from tests.conftest import REPO
-from tests.support.xserver import missing, wait_for, xvfb
+from tests.support.cli import REPO
+from tests.support.wait import wait_until
+from tests.support.xserver import missing, xvfb
 
 MISSING = missing("Xvfb", "trayer", "xdotool", "xwininfo", "import")
 pytestmark = [
@@ -106,11 +107,13 @@ def test_the_tray_icon_embeds_opens_its_menu_and_stays_single(display: dict[str,
     ]
     tray = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        x, y, w, h = wait_for("the icon in the tray", lambda: _embedded(env), 90)
+        x, y, w, h = wait_until(lambda: _embedded(env), 90, what="the icon in the tray")
         assert 8 <= w <= 64 and 8 <= h <= 64
         before = _visible_windows(env)
         subprocess.run(["xdotool", "mousemove", str(x + w // 2), str(y + h // 2), "click", "3"], env=env, check=True)
-        menu = wait_for("the menu", lambda: [s for s in _visible_windows(env) if s not in before and s[1] > 100], 10)
+        menu = wait_until(
+            lambda: [s for s in _visible_windows(env) if s not in before and s[1] > 100], 10, what="the menu"
+        )
         shot = tmp_path / "tray-menu.png"
         subprocess.run(["import", "-window", "root", str(shot)], env=env, check=True, timeout=30)
         assert shot.stat().st_size > 1000 and menu[0][0] > 100
@@ -119,8 +122,7 @@ def test_the_tray_icon_embeds_opens_its_menu_and_stays_single(display: dict[str,
         # a second launch brings the running one forward (its chat window) and leaves
         second = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
         assert second.returncode == 0 and "already running" in second.stdout
-        chat = wait_for(
-            "the chat window",
+        chat = wait_until(
             lambda: subprocess.run(
                 ["xdotool", "search", "--onlyvisible", "--name", "lakeshard chat"],
                 env=env,
@@ -128,6 +130,7 @@ def test_the_tray_icon_embeds_opens_its_menu_and_stays_single(display: dict[str,
                 text=True,
             ).stdout.split(),
             20,
+            what="the chat window",
         )
         assert chat
         agent_alive = subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True).returncode == 0
@@ -135,10 +138,10 @@ def test_the_tray_icon_embeds_opens_its_menu_and_stays_single(display: dict[str,
         tray.terminate()
         assert tray.wait(20) == 0
         # it stopped the agent it had started
-        wait_for(
-            "the agent to stop",
+        wait_until(
             lambda: subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True).returncode != 0,
             20,
+            what="the agent to stop",
         )
     finally:
         if tray.poll() is None:

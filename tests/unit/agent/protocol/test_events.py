@@ -191,7 +191,8 @@ async def test_a_stopped_hub_ends_its_subscriptions() -> None:
     sub = hub.subscribe()
     assert isinstance(await sub.get(), Snapshot)
     waiting = asyncio.ensure_future(sub.get())
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0)  # one turn of the loop: the reader runs into its wait (get() blocks at its first await)
+    assert not waiting.done()
     await hub.async_stop()
     with pytest.raises(HubClosed):
         await asyncio.wait_for(waiting, 1.0)

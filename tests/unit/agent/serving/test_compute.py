@@ -38,8 +38,10 @@ async def _feed(ct: ComputeThread, n: int, gap_s: float) -> float:
     spun0 = ct.spun_s
     for _ in range(n):
         await asyncio.wait_for(ct.async_run(_job), 5.0)
-        await asyncio.sleep(gap_s)
-    # the thread spins after the last job too: let it run out before reading the counter
+        await asyncio.sleep(gap_s)  # the scenario: the gap before the next frame comes
+    # the thread spins after the last job too: let it run out before reading the counter. (A bounded
+    # wait, kept: the thread tells nobody when its spin ends, and whether it spins at all is what
+    # the test measures; spin_s is the code's own bound on it.)
     await asyncio.sleep(ct.spin_s + 0.05)
     return ct.spun_s - spun0
 
