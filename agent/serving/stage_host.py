@@ -64,7 +64,7 @@ class StageHost:
         if attention not in ("auto", "paged", "stateful"):
             raise ValueError(f"attention must be auto, paged or stateful, not {attention!r}")
         self.attention = attention
-        self.attention_fallback: str | None = None  # why the last stage compiled stateful despite the setting
+        self._fallbacks: dict[Path, str] = {}  # why a stage (by its folder) compiled stateful despite the setting
         self.kv_blocks = _env_count("LAKESHARD_KV_BLOCKS", None, 1 << 24)
         self.step_tokens = _env_count("LAKESHARD_STEP_TOKENS", STEP_TOKENS, 1 << 20)
         self.device = device
@@ -212,10 +212,11 @@ class StageHost:
                     max_step_tokens=self.step_tokens,
                 )
             except PagedUnavailable as e:
-                self.attention_fallback = str(e)[:500]
+                if len(self._fallbacks) >= 16:
+                    self._fallbacks.clear()
+                self._fallbacks[Path(stage_dir)] = str(e)[:500]
                 log.warning("paged attention unavailable, this stage runs stateful: %s", e)
             else:
-                self.attention_fallback = None
                 return stage
         return Stage(stage_dir, device=device, threads=self.threads, exact=exact)
 
@@ -258,9 +259,14 @@ class StageHost:
             out.update(
                 kv_blocks_total=s.pool.num_blocks, kv_blocks_free=s.pool.free_blocks, kv_block_tokens=s.block_size
             )
-        if self.attention_fallback:
-            out["attention_fallback"] = self.attention_fallback
+        why = None if s is None or isinstance(s, PagedStage) else self._fallbacks.get(s.dir)
+        if why:
+            out["attention_fallback"] = why
         return out
+
+    def attention_fallback(self, stage_dir: Path) -> str | None:
+        """Why the stage at ``stage_dir`` runs stateful though the setting asked for paged (None: it does not)."""
+        return self._fallbacks.get(Path(stage_dir))
 
     def shutdown(self) -> None:
         self.compute.shutdown()
