@@ -283,6 +283,8 @@ class StageRelay:
         for i, part in enumerate(msg.parts):
             try:
                 self.host.worker.check_term(msg.term)
+                if self.host.worker.paged is None:  # (checked again on the compute thread)
+                    raise ProtocolError("unexpected", "this stage runs stateful attention: it takes Fwd frames")
                 self.owners.admit_part(part, reply, reply in self.loops)
             except ProtocolError as e:
                 e.stream, e.seq = part.stream, part.seq

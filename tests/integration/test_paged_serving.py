@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from agent.common import aio
-from agent.protocol import Batch, Close, Error, Part, decode, encode
+from agent.protocol import Batch, Close, Error, Message, Part, decode, encode
 from agent.protocol.data import SamplingSpec
 from agent.runtime.paged import PagedStage
 from agent.serving.paged_worker import PagedWorker
@@ -212,6 +212,18 @@ def test_bad_parts_get_errors_naming_their_streams_and_the_others_go_on(
     }
     assert "roll back 10" in errors["short"].message and f"budget of {BUDGET}" in errors["huge"].message
     assert all(s["kv_blocks_free"] == s["kv_blocks_total"] for s in after), after  # "short" failed, freed
+
+
+def test_a_stateful_stage_refuses_a_micro_batch_by_stream(stateful: LocalCluster, export: Path) -> None:
+    async def go() -> Message:
+        async with Ring(stateful.nodes, export, next(_terms)) as ring:
+            part = Part("x", 0, 2, start=True, logits=1)
+            await ring.ws.send_bytes(encode(Batch(ring.term, 0, "i32", (part,)), np.array([1, 2], dtype=np.int32)))
+            return await ring.reply(ring.ws)
+
+    err = aio.run(go())
+    assert isinstance(err, Error) and (err.code, err.stream) == ("unexpected", "x"), err
+    assert "takes Fwd frames" in err.message
 
 
 def test_a_full_pool_fails_only_the_parts_that_need_new_blocks(export: Path) -> None:
