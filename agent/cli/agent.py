@@ -57,6 +57,13 @@ def add_commands(commands: Commands) -> None:
         "while it measurably pays (auto), always (on) or never (off)",
     )
     ag.add_argument(
+        "--attention",
+        choices=["auto", "paged", "stateful"],
+        help="how this agent's stage attends: stateful (one inference per stream; the default for now), paged "
+        "(PagedAttention over a KV block pool: many streams in one inference) or auto (paged where the device "
+        "runs it); default: LAKESHARD_ATTENTION, else serve.attention in the settings, else stateful",
+    )
+    ag.add_argument(
         "--throttle",
         choices=["on", "off"],
         default="on",
@@ -81,7 +88,7 @@ def add_commands(commands: Commands) -> None:
 
 
 def run_agent(args: argparse.Namespace) -> int:
-    from agent.common.config import ConfigError, check_cluster_id, check_name, load, parse_peer
+    from agent.common.config import ConfigError, attention_setting, check_cluster_id, check_name, load, parse_peer
 
     try:
         settings = load(args.config)
@@ -102,6 +109,7 @@ def run_agent(args: argparse.Namespace) -> int:
             serve_ring_port=args.serve_ring_port,
             serve_exact=True if args.serve_exact else None,
         )
+        attention = attention_setting(args.attention, settings)
     except ConfigError as e:
         raise AgentCliError(str(e)) from None
     from agent.common.logs import set_file_level
@@ -119,6 +127,7 @@ def run_agent(args: argparse.Namespace) -> int:
         threads=args.threads,
         spin_ms=max(0.0, args.spin_ms),
         head_help=args.head_help,
+        attention=attention,
         standalone=args.standalone,
         throttle=args.throttle != "off",
         insecure=args.insecure or settings.insecure,

@@ -32,11 +32,17 @@ halfway through start-up. Example::
                                          # are available (keeps each laptop's share small)
       api_rate: 0                        # requests per minute per client (0: unlimited, the default)
       api_concurrency: 0                 # requests in flight per client (0: unlimited, the default)
+      attention: stateful                # how this laptop's stage attends: stateful (the default for
+                                         # now), paged (PagedAttention over a KV block pool, many
+                                         # streams per infer call) or auto (paged where the device
+                                         # runs it); LAKESHARD_ATTENTION and --attention override it
 """
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -83,6 +89,7 @@ class Settings:
     # API is on 127.0.0.1, reached by members through their agents, so none unless set
     serve_api_rate: int = 0
     serve_api_concurrency: int = 0
+    serve_attention: str | None = None  # auto, paged or stateful (None: not set; see attention_setting)
 
     def with_overrides(self, **kw: Any) -> Settings:
         return replace(self, **{k: v for k, v in kw.items() if v is not None})
@@ -151,7 +158,17 @@ def _section(d: dict[str, Any], key: str) -> dict[str, Any]:
     return v
 
 
-SERVE_KEYS = {"model", "weights", "api_port", "ring_port", "streams", "min_nodes", "api_rate", "api_concurrency"}
+SERVE_KEYS = {
+    "model",
+    "weights",
+    "api_port",
+    "ring_port",
+    "streams",
+    "min_nodes",
+    "api_rate",
+    "api_concurrency",
+    "attention",
+}
 KNOWN = {
     "cluster_id",
     "port",
@@ -168,6 +185,19 @@ KNOWN = {
 }
 LOG_LEVELS = ("debug", "info", "warning", "error")
 WEIGHTS = ("fp32", "fp16", "int8", "int4")
+ATTENTION = ("auto", "paged", "stateful")
+DEFAULT_ATTENTION = "stateful"  # until the coordinator sends micro-batches (issue 39)
+
+
+def attention_setting(cli: str | None, settings: Settings, env: Mapping[str, str] = os.environ) -> str:
+    """How this agent's stage attends: ``--attention``, else ``LAKESHARD_ATTENTION``, else the
+    settings' ``serve.attention``, else stateful. A bad environment value is a ConfigError."""
+    if cli:
+        return cli
+    v = env.get("LAKESHARD_ATTENTION", "").strip().lower()
+    if v and v not in ATTENTION:
+        raise ConfigError(f"LAKESHARD_ATTENTION must be one of {', '.join(ATTENTION)}, not {v!r}")
+    return v or settings.serve_attention or DEFAULT_ATTENTION
 
 
 def parse(d: Any) -> Settings:
@@ -219,6 +249,9 @@ def parse(d: Any) -> Settings:
     insecure = d.get("insecure", False)
     if not isinstance(insecure, bool):
         raise ConfigError("insecure: must be true or false")
+    attention = serve.get("attention")
+    if attention is not None and attention not in ATTENTION:
+        raise ConfigError(f"serve.attention: {attention!r} must be one of {', '.join(ATTENTION)}")
     mdir = d.get("models_dir")
     if mdir is not None and (not isinstance(mdir, str) or not mdir.strip()):
         raise ConfigError("models_dir: must be a folder path")
@@ -245,6 +278,7 @@ def parse(d: Any) -> Settings:
         serve_min_nodes=min_nodes,
         serve_api_rate=_count(serve, "api_rate", "requests per minute", MAX_RATE),
         serve_api_concurrency=_count(serve, "api_concurrency", "requests in flight", MAX_CONCURRENCY),
+        serve_attention=attention,
     )
 
 

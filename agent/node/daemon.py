@@ -89,6 +89,7 @@ RESTART_KEYS = (
     "serve_min_nodes",
     "serve_api_rate",
     "serve_api_concurrency",
+    "serve_attention",
     "models_dir",
     "insecure",
 )
@@ -108,6 +109,7 @@ class DaemonOptions:
     threads: int | None = None
     spin_ms: float = 50.0
     head_help: str = "auto"  # "auto", "on" or "off"
+    attention: str = "stateful"  # how its stage attends: "auto", "paged" or "stateful" (config.attention_setting)
     standalone: bool = False
     throttle: bool = True  # follow the throttle policy (settings: throttle.enabled); off for local clusters
     insecure: bool = False  # plaintext node links (never without it: no credentials is an error)
@@ -142,6 +144,7 @@ class AgentDaemon:
             threads=opts.threads,
             spin_ms=opts.spin_ms,
             head_help=opts.head_help,
+            attention=opts.attention,
         )
         self.host.term_seen = data_term(self.store.state.term)
         self.held = held_exports.HeldExports()  # whole exports on this disk (a stage assigned from one: no download)

@@ -101,6 +101,12 @@ def _opt_choice(v: Any, name: str, options: tuple[str, ...]) -> str | None:
     return None if v is None else choice_field(v, name, options)
 
 
+def _attention(v: Any) -> str | None:
+    if v is not None and v not in ("paged", "stateful"):
+        raise ProtocolError("bad_field", "stage.attention must be paged or stateful")
+    return v  # type: ignore[no-any-return]
+
+
 def _details(d: dict[str, Any], typed: type) -> dict[str, Any]:
     """The keys of ``d`` that ``typed`` has no field for, carried as they came."""
     names = {f.name for f in fields(typed)}
@@ -145,10 +151,17 @@ class StageStatus:
     paused: str | None = None  # why it refuses steps now
     preparing: str | None = None  # "fetching" or "compiling" an assignment
     threads: int | None = None
+    attention: str | None = None  # "paged" or "stateful" (None: no stage; older agents)
+    kv_blocks_total: int | None = None  # a paged stage's KV block pool
+    kv_blocks_free: int | None = None
     details: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def to_json(self) -> dict[str, Any]:
-        return _json(self)
+        out = _json(self)
+        for k in ("kv_blocks_total", "kv_blocks_free"):  # a stateful stage has no pool: no such keys
+            if out[k] is None:
+                del out[k]
+        return out
 
     @classmethod
     def parse(cls, d: Any) -> StageStatus:
@@ -159,6 +172,7 @@ class StageStatus:
         )
         if stage is not None and (stages is None or stage >= stages):
             raise ProtocolError("bad_field", "stage.stage must be below stage.stages")
+        total = opt_int(d.get("kv_blocks_total"), "stage.kv_blocks_total", 1, 1 << 32)
         return StageStatus(
             assigned=bool_field(d.get("assigned", False), "stage.assigned"),
             stage=stage,
@@ -177,6 +191,9 @@ class StageStatus:
             paused=opt_str_field(d.get("paused"), "stage.paused", 200),
             preparing=opt_str_field(d.get("preparing"), "stage.preparing", 64),
             threads=opt_int(d.get("threads"), "stage.threads", 1, 1 << 16),
+            attention=_attention(d.get("attention")),
+            kv_blocks_total=total,
+            kv_blocks_free=opt_int(d.get("kv_blocks_free"), "stage.kv_blocks_free", 0, total or 0),
             details=_details(d, StageStatus),
         )
 

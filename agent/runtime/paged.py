@@ -28,9 +28,9 @@ import openvino as ov
 from openvino import opset13 as ops
 
 from agent.runtime.blocks import BlockPool, Layout, PoolError, PoolExhausted, layout
-from agent.runtime.device import choose_device, core, prune_compiled_cache
+from agent.runtime.device import choose_device, compile_model, core, prune_compiled_cache
 from agent.runtime.device_profile import compile_properties
-from agent.runtime.stage import StageError
+from agent.runtime.stage import StageError, run_head_part
 
 __all__ = ["Entry", "PagedStage", "PagedUnavailable", "PoolExhausted", "StepResult", "attention_path"]
 
@@ -47,13 +47,14 @@ class PagedUnavailable(RuntimeError):
 def attention_path(device: str, override: str | None = None) -> AttentionPath:
     """``paged`` where the plugin runs PagedAttention (CPU, GPU), ``stateful`` elsewhere (NPU).
 
-    ``override`` (default: the ``LAKESHARD_ATTENTION`` environment variable) forces one path.
+    ``override`` (default: the ``LAKESHARD_ATTENTION`` environment variable) forces one path;
+    ``auto`` (or nothing) leaves the choice to the device.
     """
     forced = (override if override is not None else os.environ.get("LAKESHARD_ATTENTION", "")).strip().lower()
     if forced in ("paged", "stateful"):
         return "paged" if forced == "paged" else "stateful"
-    if forced:
-        raise ValueError(f"LAKESHARD_ATTENTION must be paged or stateful, not {forced!r}")
+    if forced not in ("", "auto"):
+        raise ValueError(f"LAKESHARD_ATTENTION must be auto, paged or stateful, not {forced!r}")
     return "paged" if device.split(".")[0].upper() in BLOCK_SIZE else "stateful"
 
 
@@ -156,7 +157,9 @@ class PagedStage:
         self.dir = Path(stage_dir)
         self.manifest: dict[str, Any] = json.loads((self.dir / "manifest.json").read_text())
         st = self.manifest["stage"]
-        self.index, self.first, self.last = int(st["index"]), bool(st["first"]), bool(st["last"])
+        self.index, self.count = int(st["index"]), int(st["count"])
+        self.first, self.last = bool(st["first"]), bool(st["last"])
+        self.layers = int(st["layer_start"]), int(st["layer_end"])
         self.hidden_size = int(self.manifest["hidden_size"])
         self.vocab_size = int(self.manifest["vocab_size"])
         self.max_step_tokens = max_step_tokens
@@ -178,8 +181,8 @@ class PagedStage:
         inputs = {p.get_any_name(): p for p in self.compiled.inputs}
         self.main_input = "input_ids" if self.first else "inputs_embeds"
         self.has_logits_idx = "logits_idx" in inputs
-        self.layers = sorted(int(n.split(".")[1]) for n in inputs if n.startswith("key_cache."))
-        self._kv_ports = [inputs[f"{kind}_cache.{i}"] for i in self.layers for kind in ("key", "value")]
+        self.kv_layers = sorted(int(n.split(".")[1]) for n in inputs if n.startswith("key_cache."))
+        self._kv_ports = [inputs[f"{kind}_cache.{i}"] for i in self.kv_layers for kind in ("key", "value")]
         self.block_bytes = sum(_bytes_per_block(p) for p in self._kv_ports)
         blocks = num_blocks if num_blocks is not None else max(1, kv_bytes // max(1, self.block_bytes))
         self.pool = BlockPool(int(blocks), self.block_size)
@@ -190,7 +193,21 @@ class PagedStage:
             tensor = ov.Tensor(port.get_element_type(), ov.Shape(shape))
             np.asarray(tensor.data).view(np.uint8)[...] = 0
             self.request.set_tensor(port, tensor)
+        # Stage 0 of a split answers a stateful last stage's request for its rows of the
+        # vocabulary head (a paged last stage never splits its head).
+        part = self.manifest.get("head_part")
+        self.head_rows: tuple[int, int] | None = None
+        self._head: ov.InferRequest | None = None
+        if self.first and part and (self.dir / "head.xml").is_file():
+            self.head_rows = (int(part["rows"][0]), int(part["rows"][1]))
+            self._head = compile_model(self.dir / "head.xml", self.device, self.properties).create_infer_request()
         self._lock = threading.Lock()
+
+    def head_top(self, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Stage 0's part of a split vocabulary head, as :meth:`agent.runtime.stage.Stage.head_top`."""
+        if self._head is None:
+            raise StageError("this stage holds no part of the vocabulary head")
+        return run_head_part(self._head, hidden, self.hidden_size)
 
     # streams -----------------------------------------------------------------------------
     @property
@@ -214,7 +231,9 @@ class PagedStage:
         return self.pool.length(stream)
 
     # steps -------------------------------------------------------------------------------
-    def _check(self, e: Entry) -> int:
+    def check(self, e: Entry) -> int:
+        """The entry's new token count; StageError when it does not fit this stage (dtype,
+        shape, token ids out of range, more logits than tokens)."""
         x = e.x
         if self.first:
             if x.dtype != np.int64 or x.ndim != 1 or x.shape[0] < 1:
@@ -237,7 +256,7 @@ class PagedStage:
         cannot hold the step, StageError on bad input (nothing changed)."""
         if not entries:
             raise StageError("an empty step")
-        sizes = [self._check(e) for e in entries]
+        sizes = [self.check(e) for e in entries]
         if self.max_step_tokens is not None and sum(sizes) > self.max_step_tokens:
             raise StageError(f"a step of {sum(sizes)} tokens is over this stage's budget of {self.max_step_tokens}")
         wants = [e.logits if self.last else 0 for e in entries]

@@ -42,6 +42,19 @@ def _shared(x: np.ndarray) -> ov.Tensor:
     return ov.Tensor(x, shared_memory=True)
 
 
+def run_head_part(head: ov.InferRequest, hidden: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """A part of the vocabulary head (``head.xml``) over final hidden states [1, n, width]: each
+    position's best logit among its rows and that token's id."""
+    h = hidden
+    if h.dtype != np.float32 or h.ndim != 3 or h.shape[0] != 1 or h.shape[2] != width:
+        raise StageError(f"the head part takes float32 [1, n, {width}], got {h.dtype} {h.shape}")
+    # a tensor over memory that stays alive until the inference is done (a read-only view is copied)
+    x = h if h.flags.c_contiguous and h.flags.writeable else np.array(h, order="C")
+    head.set_tensor("hidden_states", ov.Tensor(x, shared_memory=True))
+    head.infer()
+    return head.get_tensor("top_values").data[0].copy(), head.get_tensor("top_ids").data[0].copy()
+
+
 # Masked (rolled-back) slots still cost attention time. Compacting reads and writes every
 # layer's cache (about one decode step), so it is done only once the junk is both large in
 # absolute terms and a sizeable fraction of the cache: then its cost is repaid within a few
@@ -178,14 +191,7 @@ class Stage:
         on the compute thread, like :meth:`forward`."""
         if self._head is None:
             raise StageError("this stage holds no part of the vocabulary head")
-        h, w = hidden, self.hidden_size
-        if h.dtype != np.float32 or h.ndim != 3 or h.shape[0] != 1 or h.shape[2] != w:
-            raise StageError(f"the head part takes float32 [1, n, {w}], got {h.dtype} {h.shape}")
-        # a tensor over memory that stays alive until the inference is done (a read-only view is copied)
-        x = h if h.flags.c_contiguous and h.flags.writeable else np.array(h, order="C")
-        self._head.set_tensor("hidden_states", ov.Tensor(x, shared_memory=True))
-        self._head.infer()
-        return self._head.get_tensor("top_values").data[0].copy(), self._head.get_tensor("top_ids").data[0].copy()
+        return run_head_part(self._head, hidden, self.hidden_size)
 
     @property
     def layers(self) -> tuple[int, int]:

@@ -20,6 +20,7 @@ from agent.common.http import json_errors
 from agent.protocol import (
     MAX_FRAME,
     Assign,
+    Batch,
     Close,
     Error,
     Fwd,
@@ -109,6 +110,9 @@ async def _on_frame(
             rt.host.worker.check_term(msg.term)
             rt.owners.admit_fwd(msg, ws, ws in rt.loops)
             rt.submit_fwd(msg, payload, ws)
+        elif isinstance(msg, Batch):
+            frametrace.mark("batch_recv", "-", msg.seq)
+            rt.submit_batch(msg, payload, ws)
         elif isinstance(msg, Head):
             frametrace.mark("head_recv", msg.stream, msg.seq)
             rt.host.worker.check_term(msg.term)

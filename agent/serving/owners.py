@@ -8,7 +8,8 @@ coordinator that reconnected). The one exception is the ring's link back to stag
 stage's ``Fwd.auto`` steps, a connection opened with ``X-Lakeshard-Link: loop``): it may only
 continue an owned stream that its owner put on ``auto``, one step at a time, with the next
 ``seq`` and one ``auto`` less than the step before (so it can neither start, rewind nor
-prolong a stream). When a connection closes, the streams it owns are closed too (their
+prolong a stream). A micro-batch's parts are admitted one by one, each as a Fwd of its
+stream (:meth:`Owners.admit_part`). When a connection closes, the streams it owns are closed too (their
 KV state freed along the ring), so a peer cannot fill a stage with streams and leave.
 Everything is checked on the event loop when a frame arrives, before it is queued for the
 compute thread; the table is bounded.
@@ -19,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from agent.protocol import Close, Error, Fwd, ProtocolError
+from agent.protocol import Close, Error, Fwd, Part, ProtocolError
 
 LINK_HEADER = "X-Lakeshard-Link"  # "loop": the last stage's link back to stage 0
 MAX_OWNED = 4096  # streams remembered (live ones are bounded by the stage's own MAX_STREAMS)
@@ -52,22 +53,37 @@ class Owners:
 
     def admit_fwd(self, fwd: Fwd, conn: Conn, loop: bool) -> None:
         """Claim or check ``fwd``'s stream for ``conn``; ProtocolError ``not_owner`` otherwise."""
-        o = self._streams.get(fwd.stream)
-        if fwd.start:
+        self.admit(fwd.stream, fwd.seq, fwd.start, fwd.auto, conn, loop)
+
+    def admit_part(self, part: Part, conn: Conn, loop: bool) -> None:
+        """A micro-batch's part, as a Fwd of its stream; a stream not held here (never started,
+        or ended) is refused with ``unknown_stream`` unless the part starts it."""
+        if not part.start and part.stream not in self._streams:
+            raise ProtocolError(
+                "unknown_stream",
+                f"unknown stream {part.stream[:128]!r} (start it with start=true)",
+                part.stream,
+                part.seq,
+            )
+        self.admit(part.stream, part.seq, part.start, 0, conn, loop)
+
+    def admit(self, stream: str, seq: int, start: bool, auto: int, conn: Conn, loop: bool) -> None:
+        o = self._streams.get(stream)
+        if start:
             if loop or (o is not None and o.conn is not conn and not o.conn.closed):
-                self._refuse(fwd.stream, fwd.seq, "is another connection's")
+                self._refuse(stream, seq, "is another connection's")
             if o is None and len(self._streams) >= self.limit:
                 self._prune()
                 if len(self._streams) >= self.limit:
-                    raise ProtocolError("too_many_streams", "this stage tracks too many streams", fwd.stream, fwd.seq)
-            self._streams[fwd.stream] = _Owned(conn, fwd.seq, fwd.auto)
+                    raise ProtocolError("too_many_streams", "this stage tracks too many streams", stream, seq)
+            self._streams[stream] = _Owned(conn, seq, auto)
             return
         if o is None:  # not (or no longer) here: the stage answers unknown_stream
             return
-        follows = loop and o.auto > 0 and fwd.seq == o.seq + 1 and fwd.auto == o.auto - 1
+        follows = loop and o.auto > 0 and seq == o.seq + 1 and auto == o.auto - 1
         if o.conn is not conn and not follows:
-            self._refuse(fwd.stream, fwd.seq, "is another connection's")
-        o.seq, o.auto = fwd.seq, fwd.auto
+            self._refuse(stream, seq, "is another connection's")
+        o.seq, o.auto = seq, auto
 
     def admit_end(self, msg: Close | Error, conn: Conn) -> bool:
         """Whether ``conn`` may end ``msg``'s stream (and pass the message on); the owner's end

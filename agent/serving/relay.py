@@ -6,7 +6,8 @@ frame; the event loop only sends results on. A frame that fails validation is an
 an ``Error`` on the connection it came from and, when it belongs to a stream, the error also
 travels on along the ring so the coordinator learns of it; other streams are never touched.
 A last stage may leave part of the vocabulary head to stage 0 (the split head): the relay
-sends the hidden state back to stage 0 and combines both parts when they are in.
+sends the hidden state back to stage 0 and combines both parts when they are in. A paged
+stage also takes micro-batches (``Batch``: many streams' parts, one step, one frame on).
 """
 
 from __future__ import annotations
@@ -21,11 +22,26 @@ from typing import Any
 
 from aiohttp import web
 
-from agent.protocol import Close, Error, Fwd, Head, HeadTop, Message, Passed, Ping, Pong, ProtocolError, decode, encode
+from agent.protocol import (
+    Batch,
+    Close,
+    Error,
+    Fwd,
+    Head,
+    HeadTop,
+    Message,
+    Passed,
+    Ping,
+    Pong,
+    ProtocolError,
+    decode,
+    encode,
+)
 from agent.security.transport import Transport
 from agent.serving import frametrace
 from agent.serving.link import Link, LinkClosed
 from agent.serving.owners import Owners
+from agent.serving.paged_worker import RETRYABLE, BatchOut
 from agent.serving.stage_host import StageHost
 from agent.serving.stage_worker import HeadWait, finish
 
@@ -259,6 +275,45 @@ class StageRelay:
             sent.set()
             log.warning("no link back to stage 0 for the head of stream %s", fwd.stream)
 
+    def submit_batch(self, msg: Batch, payload: memoryview, reply: web.WebSocketResponse) -> None:
+        """A micro-batch for a paged stage: each part is admitted as a Fwd of its stream would be
+        (a refused part is answered with an Error naming its stream, and dropped); the rest is
+        one step on the compute thread, whose result goes on as one frame."""
+        keep: list[int] = []
+        for i, part in enumerate(msg.parts):
+            try:
+                self.host.worker.check_term(msg.term)
+                if self.host.worker.paged is None:  # (checked again on the compute thread)
+                    raise ProtocolError("unexpected", "this stage runs stateful attention: it takes Fwd frames")
+                self.owners.admit_part(part, reply, reply in self.loops)
+            except ProtocolError as e:
+                e.stream, e.seq = part.stream, part.seq
+                self.spawn(self.report(e, reply))
+                continue
+            keep.append(i)
+        if not keep:
+            return
+        if self.pending >= MAX_PENDING:
+            for i in keep:
+                p = msg.parts[i]
+                self.spawn(self.report(ProtocolError("busy", "stage queue is full", p.stream, p.seq), reply))
+            return
+        self.pending += 1
+
+        def done(res: BatchOut | None, exc: BaseException | None) -> None:
+            self.pending -= 1
+            if res is None:
+                log.error("stage failed on a micro-batch: %r", exc)
+                res = BatchOut(
+                    None, [ProtocolError("internal", str(exc), msg.parts[i].stream, msg.parts[i].seq) for i in keep]
+                )
+            for e in res.failed:
+                self.spawn(self.report(e, reply))
+            if res.frame is not None:
+                self._send(res.frame)
+
+        self.host.compute.submit(self.host.worker.process_batch, (msg, payload, keep), done)
+
     def submit_end(self, msg: Close | Error) -> None:
         """Forget the stream (after its queued steps) and pass the message along the ring."""
 
@@ -300,11 +355,15 @@ class StageRelay:
             log.info("refused a frame: %s", err)
         if reply is not None:
             await self._tell(reply, err)
+        # A part that found no room on stage 0 changed nothing anywhere: the sender (the
+        # coordinator) may send it again. Further on, earlier stages have computed it: it fails.
+        retry = e.code in RETRYABLE and stage == 0 and reply is not None and reply not in self.loops
         if (
             e.stream is not None
             and self.host.assignment is not None
             and e.code not in FENCED
             and not ended
+            and not retry
             and self.owners.may_fail(e.stream, reply, reply in self.loops)
         ):
             # the stream's request has failed: free it here and tell the rest of the ring

@@ -10,6 +10,7 @@ frames are processed in arrival order, which keeps each stream's steps in order.
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from agent.export.held import HeldExports
 from agent.protocol import Assign, Assigned, ProtocolError, StageReport
 from agent.protocol.control import EXPORT_RE
 from agent.runtime.device import DeviceError, assigned_device, choose_device
+from agent.runtime.paged import PagedStage, PagedUnavailable, attention_path
 from agent.runtime.stage import Stage
 from agent.security.transport import Transport
 from agent.serving.compute import ComputeThread
@@ -29,6 +31,19 @@ from agent.serving.stage_worker import StageWorker
 
 __all__ = ["OPTIONAL_FILES", "STAGE_FILES", "StageHost"]  # (the file names: the coordinator's too)
 log = logging.getLogger(__name__)
+# A paged stage's token budget per step: a prefill frame of the coordinator (at most 1024
+# tokens) fits beside the decode tokens of many streams. LAKESHARD_STEP_TOKENS changes it.
+STEP_TOKENS = 2048
+
+
+def _env_count(name: str, default: int | None, most: int) -> int | None:
+    """A positive whole number from the environment (tests and benchmarks), else ``default``."""
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return default
+    if not v.isdigit() or not 1 <= int(v) <= most:
+        raise SystemExit(f"lakeshard: error: {name} must be a whole number from 1 to {most}, not {v!r}")
+    return int(v)
 
 
 class StageHost:
@@ -40,7 +55,18 @@ class StageHost:
         threads: int | None = None,
         spin_ms: float = 50.0,
         head_help: str = "auto",
+        attention: str = "stateful",
     ) -> None:
+        """``attention``: how its stages attend, ``stateful``, ``paged`` or ``auto`` (paged where
+        the device runs PagedAttention); a stage that cannot run paged runs stateful (logged,
+        and said in the status). A paged stage's KV pool holds ``LAKESHARD_KV_BLOCKS`` blocks
+        when set (tests), else what fits its default memory share."""
+        if attention not in ("auto", "paged", "stateful"):
+            raise ValueError(f"attention must be auto, paged or stateful, not {attention!r}")
+        self.attention = attention
+        self._fallbacks: dict[Path, str] = {}  # why a stage (by its folder) compiled stateful despite the setting
+        self.kv_blocks = _env_count("LAKESHARD_KV_BLOCKS", None, 1 << 24)
+        self.step_tokens = _env_count("LAKESHARD_STEP_TOKENS", STEP_TOKENS, 1 << 20)
         self.device = device
         self.threads = threads  # the threads the next stage it compiles may use (the throttle lowers it)
         self._threads = threads  # as configured
@@ -60,7 +86,7 @@ class StageHost:
         return self.worker.assignment
 
     @property
-    def stage(self) -> Stage | None:
+    def stage(self) -> Stage | PagedStage | None:
         return self.worker.stage
 
     @property
@@ -134,7 +160,7 @@ class StageHost:
         await self.compute.async_run(self.worker.install, stage, msg)
         return Assigned(term=msg.term, stage=msg.stage, device=stage.device, compile_s=time.monotonic() - t0)
 
-    def _same_stage(self, msg: Assign) -> Stage | None:
+    def _same_stage(self, msg: Assign) -> Stage | PagedStage | None:
         """The stage compiled here already, when ``msg`` assigns the same files the same way (a newly
         elected coordinator adopting the running plan): it is kept, only its streams are dropped."""
         a, s = self.assignment, self.stage
@@ -171,8 +197,28 @@ class StageHost:
         start, end = s.layers
         return StageReport(model[:128], a.export_id, a.stage, a.stages, start, end, a.term)
 
-    def _compile(self, stage_dir: Path, exact: bool, device: str | None = None) -> Stage:
-        return Stage(stage_dir, device=device or self.device, threads=self.threads, exact=exact)
+    def _compile(self, stage_dir: Path, exact: bool, device: str | None = None) -> Stage | PagedStage:
+        """The stage compiled as the attention setting says (the one place that chooses): paged
+        where it asks for paged and the stage compiles paged there, else stateful."""
+        device = choose_device(device or self.device)
+        if attention_path(device, override=self.attention) == "paged":
+            try:
+                stage = PagedStage(
+                    stage_dir,
+                    device=device,
+                    threads=self.threads,
+                    exact=exact,
+                    num_blocks=self.kv_blocks,
+                    max_step_tokens=self.step_tokens,
+                )
+            except PagedUnavailable as e:
+                if len(self._fallbacks) >= 16:
+                    self._fallbacks.clear()
+                self._fallbacks[Path(stage_dir)] = str(e)[:500]
+                log.warning("paged attention unavailable, this stage runs stateful: %s", e)
+            else:
+                return stage
+        return Stage(stage_dir, device=device, threads=self.threads, exact=exact)
 
     def status(self) -> dict[str, Any]:
         w = self.worker
@@ -186,7 +232,7 @@ class StageHost:
             "model": None if s is None else s.manifest.get("model", {}).get("name"),
             "model_layers": None if s is None else s.manifest.get("model", {}).get("layers"),
             "device": None if s is None else s.device,
-            "streams": len(w.streams),
+            "streams": w.stream_count,
             "frames": w.frames,
             "head_steps": w.head_steps,
             "errors": self.errors,
@@ -202,7 +248,25 @@ class StageHost:
             "paused": w.paused,
             "last_step_at": w.last_step_at,
             "threads": self.threads,
+            **self._attention_status(s),
         }
+
+    def _attention_status(self, s: Stage | PagedStage | None) -> dict[str, Any]:
+        """How the stage attends and, paged, its KV block pool (the event loop reads the free
+        count as one value while the compute thread may be changing it)."""
+        out: dict[str, Any] = {"attention": None if s is None else "paged" if isinstance(s, PagedStage) else "stateful"}
+        if isinstance(s, PagedStage):
+            out.update(
+                kv_blocks_total=s.pool.num_blocks, kv_blocks_free=s.pool.free_blocks, kv_block_tokens=s.block_size
+            )
+        why = None if s is None or isinstance(s, PagedStage) else self._fallbacks.get(s.dir)
+        if why:
+            out["attention_fallback"] = why
+        return out
+
+    def attention_fallback(self, stage_dir: Path) -> str | None:
+        """Why the stage at ``stage_dir`` runs stateful though the setting asked for paged (None: it does not)."""
+        return self._fallbacks.get(Path(stage_dir))
 
     def shutdown(self) -> None:
         self.compute.shutdown()

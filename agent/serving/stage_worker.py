@@ -19,9 +19,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from agent.protocol import Assign, Fwd, Head, HeadTop, Ids, Message, ProtocolError, tensor
+from agent.protocol import Assign, Batch, Fwd, Head, HeadTop, Ids, Message, ProtocolError, tensor
+from agent.runtime.paged import PagedStage
 from agent.runtime.sampling import Sampling, choose_token
 from agent.runtime.stage import Stage, StageError, StageOutput, Stream
+from agent.serving.paged_worker import BatchOut, PagedWorker
 
 MAX_STREAMS = 256
 HEAD_WINDOW = 8  # split-head rounds remembered to decide whether splitting pays
@@ -92,8 +94,9 @@ class StageWorker:
         self.head_rounds: collections.deque[tuple[float, float]] = collections.deque(maxlen=HEAD_WINDOW)
         self._head_skipped = 0
         self.assignment: Assign | None = None
-        self.stage: Stage | None = None
-        self.streams: dict[str, Stream] = {}
+        self.stage: Stage | PagedStage | None = None
+        self.paged: PagedWorker | None = None  # a paged stage's streams and steps
+        self.streams: dict[str, Stream] = {}  # a stateful stage's
         self._free: list[Stream] = []
         self.closed: collections.OrderedDict[str, None] = collections.OrderedDict()  # recently closed streams
         self.frames = 0
@@ -102,11 +105,18 @@ class StageWorker:
         self.compute_s = 0.0  # time spent in inference
         self.recent_ms: collections.deque[float] = collections.deque(maxlen=256)
 
-    def install(self, stage: Stage, msg: Assign) -> None:
+    def install(self, stage: Stage | PagedStage, msg: Assign) -> None:
         """Serve ``stage`` from now on (between two frames: none sees half a swap); streams are dropped."""
+        if self.paged is not None:
+            self.paged.close_all()  # (the same stage may be kept: its blocks go back)
         self.stage, self.assignment = stage, msg
+        self.paged = PagedWorker(stage, MAX_STREAMS) if isinstance(stage, PagedStage) else None
         self.streams.clear()
         self._free.clear()
+
+    @property
+    def stream_count(self) -> int:
+        return len(self.paged) if self.paged is not None else len(self.streams)
 
     def check_term(self, term: int) -> None:
         a = self.assignment
@@ -116,6 +126,34 @@ class StageWorker:
             code = "stale_term" if term < a.term else "unknown_term"
             raise ProtocolError(code, f"frame of term {term}, stage assigned in term {a.term}")
 
+    # -- micro-batches (a paged stage) -------------------------------------------------------------
+    def process_batch(self, msg: Batch, payload: memoryview, keep: list[int]) -> BatchOut:
+        """Run the parts ``keep`` of a Batch as one step (see :mod:`agent.serving.paged_worker`).
+        What fails the whole frame (a paused node, a new assignment since it came) fails each part."""
+        a = self.assignment
+        try:
+            if self.paused is not None:
+                raise ProtocolError("paused", f"this node is paused ({self.paused})")
+            self.check_term(msg.term)
+            if self.paged is None or a is None:
+                raise ProtocolError(
+                    "unexpected", "this stage runs stateful attention: it takes Fwd frames, not batches"
+                )
+        except ProtocolError as e:
+            failed = [ProtocolError(e.code, str(e), msg.parts[i].stream, msg.parts[i].seq) for i in keep]
+            return BatchOut(frame=None, failed=failed)
+        for i in keep:
+            if msg.parts[i].start:
+                self.closed.pop(msg.parts[i].stream, None)
+        out = self.paged.batch(msg, payload, keep, a.wire_dtype)
+        if out.tokens:
+            self.frames += 1
+            self.positions += out.tokens
+            self.last_step_at = time.time()
+            self.compute_s += out.seconds
+            self.recent_ms.append(out.seconds * 1000)
+        return out
+
     # -- the split head ----------------------------------------------------------------------------
     def _split_head(self, fwd: Fwd) -> bool:
         """Whether this last stage's step leaves the first rows of the head to stage 0: a greedy
@@ -124,7 +162,7 @@ class StageWorker:
         stage = self.stage
         return (
             self.head_help != "off"
-            and stage is not None
+            and isinstance(stage, Stage)  # a paged last stage never splits
             and stage.last
             and stage.hidden_out
             and stage.head_rows is not None
@@ -133,7 +171,7 @@ class StageWorker:
             and not fwd.ret_logits
             and fwd.logits in ((), (0,))
             and fwd.sampling.temperature == 0.0
-            and max(fwd.ring_streams, len(self.streams)) == 1
+            and max(fwd.ring_streams, self.stream_count) == 1
             and self.loop_up()
             and (self.head_help == "on" or self._split_pays())
         )
@@ -178,7 +216,7 @@ class StageWorker:
             assert out.hidden is not None
             wire = a.wire_dtype
             h = out.hidden.astype(np.float16) if wire == "f16" else out.hidden
-            held = max(fwd.ring_streams, len(self.streams))
+            held = max(fwd.ring_streams, self.stream_count)
             nxt = replace(fwd, dtype=wire, busy_ms=busy_ms, ack=False, ring_streams=held)  # ack: heard at stage 0
             return Output(nxt, h.tobytes())
         if split:
@@ -187,7 +225,9 @@ class StageWorker:
             return HeadWait(fwd, busy_ms, np.array(out.hidden[:, -1:], dtype=np.float32), trunk_ms=dt * 1000)
         return self._last(fwd, out, busy_ms, pos0)
 
-    def _forward(self, stage: Stage, fwd: Fwd, payload: memoryview) -> tuple[StageOutput, float, bool, int]:
+    def _forward(
+        self, stage: Stage | PagedStage, fwd: Fwd, payload: memoryview
+    ) -> tuple[StageOutput, float, bool, int]:
         """The stage's layers over the frame's input: (output, seconds, head split, first position)."""
         if stage.first:
             if fwd.dtype not in ("i32", "i64"):
@@ -197,6 +237,19 @@ class StageWorker:
             if fwd.dtype not in ("f16", "f32"):
                 raise ProtocolError("bad_dtype", f"stage {stage.index} takes hidden states (f16/f32), not {fwd.dtype}")
             x = tensor(fwd, payload, stage.hidden_size).astype(np.float32)
+        if self.paged is not None:
+            if fwd.start:
+                self.closed.pop(fwd.stream, None)
+            t0 = time.perf_counter()
+            try:
+                out, pos0 = self.paged.forward(fwd, x)
+            except RuntimeError as e:  # OpenVINO rejected the input
+                raise StageError(f"inference failed: {e}") from e
+            dt = time.perf_counter() - t0
+            self.compute_s += dt
+            self.recent_ms.append(dt * 1000)
+            return out, dt, False, pos0
+        assert isinstance(stage, Stage)
         st = self._stream(fwd)
         if fwd.rollback:
             st.rollback(fwd.rollback)
@@ -249,7 +302,7 @@ class StageWorker:
         computed the whole head (its part scaled up by rows), so that the split planned from
         measured step times does not change with how many streams run."""
         stage = self.stage
-        assert stage is not None and stage.head_rows is not None
+        assert isinstance(stage, Stage) and stage.head_rows is not None
         t0 = time.perf_counter()
         wait.top = stage.head_top(wait.hidden)
         dt = time.perf_counter() - t0
@@ -291,7 +344,7 @@ class StageWorker:
             if st is None:
                 if len(self.streams) >= MAX_STREAMS:
                     raise ProtocolError("too_many_streams", f"this stage holds {MAX_STREAMS} streams already")
-                assert self.stage is not None
+                assert isinstance(self.stage, Stage)
                 st = self._free.pop() if self._free else self.stage.open_stream()
                 self.streams[fwd.stream] = st
                 self.closed.pop(fwd.stream, None)
@@ -305,6 +358,9 @@ class StageWorker:
         self.closed[stream] = None
         while len(self.closed) > 4096:
             self.closed.popitem(last=False)
+        if self.paged is not None:
+            self.paged.close(stream)
+            return
         st = self.streams.pop(stream, None)
         if st is not None and len(self._free) < 8:
             self._free.append(st)  # keep a few requests for reuse (reset on the next start)

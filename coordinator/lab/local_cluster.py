@@ -50,6 +50,7 @@ class LocalCluster:
         secure: bool = False,
         form: bool = False,
         capacity: Path | None = None,
+        attention: str | None = None,
     ) -> None:
         """``elect``: run full agents (election, no multicast, loopback peers) with these extra
         arguments, instead of standalone stage servers driven by a ``serve`` coordinator.
@@ -61,7 +62,12 @@ class LocalCluster:
         ``form`` (secure elected agents): make a throwaway cluster the way the tray does, through
         the agents' local APIs: ``init`` on the first, ``invite`` there, ``join`` on the others.
         ``capacity`` (elected agents): a ``capacity.json`` copied into every home before its agent
-        starts: identical laptops (one plan, so one cached export; no speed test on loaded cores)."""
+        starts: identical laptops (one plan, so one cached export; no speed test on loaded cores).
+        ``attention``: how every agent's stage attends (``auto``, ``paged`` or ``stateful``; None:
+        as the agents' own default, ``LAKESHARD_ATTENTION`` included)."""
+        if attention not in (None, "auto", "paged", "stateful"):
+            raise ValueError(f"attention must be auto, paged or stateful, not {attention!r}")
+        self.attention = attention
         self.capacity = capacity
         if ports is not None and len(ports) != n:
             raise ValueError("one port per agent")
@@ -126,6 +132,8 @@ class LocalCluster:
                 cmd += ["--device", devs[i % len(devs)]]
             if not self.throttle:
                 cmd += ["--throttle", "off"]
+            if self.attention is not None:
+                cmd += ["--attention", self.attention]
             if not self.secure:
                 cmd.append("--insecure")
             cmd += self.agent_args

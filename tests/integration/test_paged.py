@@ -192,3 +192,17 @@ def attentionless_stage(exports: dict[int, Path], tmp_path: Path) -> Iterator[Pa
 def test_a_stage_that_cannot_run_paged_says_so(attentionless_stage: Path) -> None:
     with pytest.raises(PagedUnavailable, match="stage 0"):
         PagedStage(attentionless_stage, device="CPU")
+
+
+def test_an_agent_set_to_paged_runs_a_stage_that_cannot_stateful_and_says_why(attentionless_stage: Path) -> None:
+    from agent.runtime.stage import Stage
+    from agent.security.transport import PLAINTEXT
+    from agent.serving.stage_host import StageHost
+
+    host = StageHost(transport=PLAINTEXT, device="CPU", attention="paged")
+    try:
+        stage = host._compile(attentionless_stage, False)
+    finally:
+        host.shutdown()
+    assert isinstance(stage, Stage)
+    assert "stage 0 does not compile paged on CPU" in (host.attention_fallback(attentionless_stage) or "")

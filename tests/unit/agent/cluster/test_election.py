@@ -189,6 +189,7 @@ def test_node_id_is_stable(tmp_path: Path) -> None:
         ({"serve": {"ring_port": "7702"}}, "ring_port"),
         ({"serve": {"min_nodes": 0}}, "serve.min_nodes"),
         ({"serve": {"min_nodes": "all"}}, "serve.min_nodes"),
+        ({"serve": {"attention": "pagd"}}, "serve.attention"),
         (["a", "list"], "mapping"),
     ],
 )
@@ -204,6 +205,18 @@ def test_the_coordinator_ring_port_is_fixed_unless_set() -> None:
     assert parse({"serve": {"ring_port": 9000}}).serve_ring_port == 9000
     assert parse({"serve": {"ring_port": 0}}).serve_ring_port == 0  # any free port
     assert ring_port_for(65535) == 0 and ring_port_for(0) == 0
+
+
+def test_the_attention_setting_is_the_option_else_the_environment_else_the_file_else_stateful() -> None:
+    from agent.common.config import attention_setting
+
+    filed = parse({"serve": {"attention": "auto"}})
+    assert attention_setting(None, parse({}), env={}) == "stateful"  # the default, for now
+    assert attention_setting(None, filed, env={}) == "auto"
+    assert attention_setting(None, filed, env={"LAKESHARD_ATTENTION": "Paged"}) == "paged"
+    assert attention_setting("stateful", filed, env={"LAKESHARD_ATTENTION": "paged"}) == "stateful"
+    with pytest.raises(ConfigError, match="LAKESHARD_ATTENTION must be one of auto, paged, stateful, not 'fast'"):
+        attention_setting(None, filed, env={"LAKESHARD_ATTENTION": "fast"})
 
 
 def test_settings_file(tmp_path: Path) -> None:

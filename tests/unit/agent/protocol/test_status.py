@@ -37,6 +37,7 @@ STAGE: dict[str, Any] = {
     "paused": None,
     "last_step_at": 1.7e9,
     "threads": 4,
+    "attention": "stateful",
 }
 NODE: dict[str, Any] = {
     "node": "n1",
@@ -125,6 +126,11 @@ NO_CLUSTER_NODE = {"node": "n1", "state": "no_cluster", "role": "no_cluster", "h
         (NodeStatus, NO_CLUSTER_NODE),
         (StageStatus, STAGE),
         (StageStatus, {"assigned": False}),
+        (
+            StageStatus,
+            {**STAGE, "attention": "paged", "kv_blocks_total": 347, "kv_blocks_free": 300, "kv_block_tokens": 32},
+        ),
+        (StageStatus, {**STAGE, "attention": "stateful", "attention_fallback": "does not compile paged on NPU"}),
         (PeerStatus, PEER),
         (PeerStatus, {"node": "n3", "address": "10.0.0.3:7710", "alive": False}),  # heard of, no beat yet
         (ClusterStatus, CLUSTER),
@@ -146,6 +152,13 @@ def test_the_typed_fields_read_as_types() -> None:
     assert n.details["throttle"]["changes"] == 2  # carried unread
     c = ClusterStatus.parse(CLUSTER)
     assert c.peers[0].reason_kind is PauseReason.LOAD and c.peers[0].offers[0].mem_free == 4 << 30
+
+
+def test_a_stage_from_before_paged_attention_reads_as_unknown_attention() -> None:
+    st = StageStatus.parse({k: v for k, v in STAGE.items() if k != "attention"})
+    assert (st.attention, st.kv_blocks_total, st.kv_blocks_free) == (None, None, None)
+    paged = StageStatus.parse({**STAGE, "attention": "paged", "kv_blocks_total": 10, "kv_blocks_free": 4})
+    assert (paged.attention, paged.kv_blocks_total, paged.kv_blocks_free) == ("paged", 10, 4)
 
 
 def test_an_older_agent_without_reason_kind_still_reads() -> None:
@@ -207,6 +220,8 @@ def test_only_heat_and_battery_are_the_machines_doing() -> None:
         (NodeStatus, {**NODE, "stage": {**STAGE, "assigned": None}}, "stage.assigned"),
         (NodeStatus, {**NODE, "stage": {**STAGE, "device": "a graphics card"}}, "stage.device"),
         (NodeStatus, {**NODE, "stage": {**STAGE, "step_ms_p50": -1}}, "stage.step_ms_p50"),
+        (NodeStatus, {**NODE, "stage": {**STAGE, "attention": "fast"}}, "stage.attention"),
+        (NodeStatus, {**NODE, "stage": {**STAGE, "kv_blocks_total": 8, "kv_blocks_free": 9}}, "stage.kv_blocks_free"),
         (ClusterStatus, {**CLUSTER, "role": None}, "role"),
         (ClusterStatus, {**CLUSTER, "peers": {}}, "peers"),
         (ClusterStatus, {**CLUSTER, "eligible": "no"}, "eligible"),

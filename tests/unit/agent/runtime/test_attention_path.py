@@ -16,6 +16,8 @@ from agent.runtime.paged import attention_path
         ("NPU", "", "stateful"),  # the NPU plugin runs stateful models only
         ("CPU", "stateful", "stateful"),
         ("NPU", "Paged", "paged"),
+        ("NPU", "auto", "stateful"),
+        ("CPU", "auto", "paged"),
     ],
 )
 def test_attention_path(device: str, override: str, path: str) -> None:
@@ -24,5 +26,5 @@ def test_attention_path(device: str, override: str, path: str) -> None:
 
 def test_a_misspelt_override_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LAKESHARD_ATTENTION", "pagd")
-    with pytest.raises(ValueError, match="LAKESHARD_ATTENTION must be paged or stateful, not 'pagd'"):
+    with pytest.raises(ValueError, match="LAKESHARD_ATTENTION must be auto, paged or stateful, not 'pagd'"):
         attention_path("CPU")
