@@ -116,6 +116,29 @@ class DaemonOptions:
     timing: Timing = field(default_factory=Timing)
 
 
+def _warn_other_node(node: str, named: str) -> None:
+    log.warning(
+        "this agent is node %s but its certificate names node %s (made for another port?): members "
+        "refuse its election datagrams and will not accept it as their coordinator; join again with a new "
+        "token ('cluster join --force')",
+        node,
+        named,
+    )
+
+
+def _local_node(node: str, settings: Settings) -> LocalNode:
+    """What this laptop says of itself in its beats and adverts."""
+    return LocalNode(
+        node=node,
+        cluster=settings.cluster_id,
+        port=settings.port,
+        version=__version__,
+        mem_total=psutil.virtual_memory().total,
+        mem_free=lambda: int(psutil.virtual_memory().available),
+        name=settings.name or socket.gethostname()[:64] or None,
+    )
+
+
 class AgentDaemon:
     def __init__(self, settings: Settings, opts: DaemonOptions, config_path: Any = None) -> None:
         self.settings, self.opts = settings, opts
@@ -128,13 +151,7 @@ class AgentDaemon:
         folder = agent_state_dir(settings.port)  # several agents on one machine: one each
         self.node = node_id(folder)
         if creds is not None and creds.node_id != self.node:
-            log.warning(
-                "this agent is node %s but its certificate names node %s (made for another port?): members "
-                "refuse its election datagrams and will not accept it as their coordinator; join again with a new "
-                "token ('cluster join --force')",
-                self.node,
-                creds.node_id,
-            )
+            _warn_other_node(self.node, creds.node_id)
         # standalone agents take their term from a 'serve' coordinator, not from an election
         self.store = TermStore(folder, persist=not opts.standalone)
         self.fence = CoordinatorFence(lambda: self.store.state)
@@ -149,15 +166,7 @@ class AgentDaemon:
         self.host.term_seen = data_term(self.store.state.term)
         self.held = held_exports.HeldExports()  # whole exports on this disk (a stage assigned from one: no download)
         self.host.held = self.held
-        self.me = LocalNode(
-            node=self.node,
-            cluster=settings.cluster_id,
-            port=settings.port,
-            version=__version__,
-            mem_total=psutil.virtual_memory().total,
-            mem_free=lambda: int(psutil.virtual_memory().available),
-            name=settings.name or socket.gethostname()[:64] or None,
-        )
+        self.me = _local_node(self.node, settings)
         self.copies = ExportCopies(
             self.held, self.me, self.host, lambda: heard_peers(self), self._needed_exports, transport=self.transport
         )

@@ -27,7 +27,7 @@ from coordinator.batching.scheduler import GenRequest
 from coordinator.lab.local_cluster import LocalCluster
 from coordinator.service.coordinator import Coordinator
 from coordinator.speculative.decoding import SpecCounters
-from tests.conftest import exact_config
+from tests.support.exact import exact_config
 from tests.support.ring import Ring
 
 TEXTS = [
