@@ -7,6 +7,7 @@ tokens however it is scheduled, split or speculated.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,3 +52,12 @@ def choose_token(logits: np.ndarray, s: Sampling, position: int) -> int:
         cut[order[:keep]] = z[order[:keep]]
         z = cut
     return int(np.argmax(z + gumbel_noise(z.shape[0], s.seed, position)))
+
+
+def step_tokens(token_ids: np.ndarray, logits: np.ndarray, s: Sampling, positions: Sequence[int]) -> tuple[int, ...]:
+    """A last stage's tokens for one stream's step: the graph's argmax ids when greedy, else one
+    seeded choice per row of ``logits``, row k at stream position ``positions[k]`` (so a token is
+    the same whichever stage layout, batch or attention path computed it)."""
+    if s.greedy:
+        return tuple(int(t) for t in token_ids)
+    return tuple(choose_token(logits[k], s, pos) for k, pos in enumerate(positions))

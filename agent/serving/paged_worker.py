@@ -32,7 +32,7 @@ from agent.protocol import Batch, BatchIds, Fwd, ProtocolError, encode
 from agent.protocol.batch import Part, batch_rows
 from agent.runtime.blocks import PoolError, blocks_for
 from agent.runtime.paged import Entry, PagedStage, PoolExhausted, StepResult
-from agent.runtime.sampling import Sampling, choose_token
+from agent.runtime.sampling import Sampling, step_tokens
 from agent.runtime.stage import StageError, StageOutput
 
 RETRYABLE = frozenset({"no_blocks", "over_budget"})  # the part changed nothing: send it again later
@@ -247,7 +247,9 @@ class PagedWorker:
     ) -> BatchIds:
         """The last stage's tokens for the parts that asked: argmax, or seeded sampling at each
         token's position in its stream (as the stateful path samples)."""
-        streams, counts, tokens = [], [], []
+        streams: list[str] = []
+        counts: list[int] = []
+        tokens: list[int] = []
         for c, e in zip(cands, entries, strict=True):
             p = c.part
             if not p.logits:
@@ -255,12 +257,9 @@ class PagedWorker:
             got = res.out(e.stream)
             assert got.token_ids is not None and got.logits is not None
             s = p.sampling
-            if s.temperature == 0.0:
-                toks = [int(t) for t in got.token_ids]
-            else:
-                sp = Sampling(s.temperature, s.top_p, s.seed)
-                first = c.base + p.n - p.logits
-                toks = [choose_token(got.logits[j], sp, first + j) for j in range(p.logits)]
+            sp = Sampling(s.temperature, s.top_p, s.seed)
+            first = c.base + p.n - p.logits  # the stream position of its first token row
+            toks = step_tokens(got.token_ids, got.logits, sp, range(first, first + p.logits))
             streams.append(p.stream)
             counts.append(len(toks))
             tokens += toks

@@ -21,7 +21,7 @@ import numpy as np
 
 from agent.protocol import Assign, Batch, Fwd, Head, HeadTop, Ids, Message, ProtocolError, tensor
 from agent.runtime.paged import PagedStage
-from agent.runtime.sampling import Sampling, choose_token
+from agent.runtime.sampling import Sampling, step_tokens
 from agent.runtime.stage import Stage, StageError, StageOutput, Stream
 from agent.serving.paged_worker import BatchOut, PagedWorker
 
@@ -289,13 +289,9 @@ class StageWorker:
             )
             return Output(msg, lg.tobytes())
         s = fwd.sampling
-        if s.temperature == 0.0:
-            toks = tuple(int(t) for t in out.token_ids)
-        else:
-            sp = Sampling(s.temperature, s.top_p, s.seed)
-            rows = list(fwd.logits) if fwd.logits else [fwd.n - 1]
-            toks = tuple(choose_token(out.logits[k], sp, pos0 + rows[k]) for k in range(len(rows)))
-        return finish(fwd, toks, busy_ms)
+        rows = list(fwd.logits) if fwd.logits else [fwd.n - 1]
+        sp = Sampling(s.temperature, s.top_p, s.seed)
+        return finish(fwd, step_tokens(out.token_ids, out.logits, sp, [pos0 + r for r in rows]), busy_ms)
 
     def head_own_part(self, wait: HeadWait) -> None:
         """The last stage's rows of a split head. The step's time is noted as if this stage had
