@@ -268,14 +268,30 @@ class Assigned(Message):
     stage: int
     device: str
     compile_s: float
+    # a paged stage's KV pool and step budget (a stateful stage: None), which the coordinator's
+    # micro-batching scheduler plans with; optional, so an older agent's answer still parses
+    kv_blocks: int | None = None
+    block_tokens: int | None = None
+    step_tokens: int | None = None
+
+    @property
+    def paged(self) -> bool:
+        return self.kv_blocks is not None and self.block_tokens is not None
 
     @classmethod
     def parse(cls, h: dict[str, Any]) -> Assigned:
+        def opt(name: str, hi: int) -> int | None:
+            v = h.get(name)
+            return None if v is None else int_field(v, name, 1, hi)
+
         return Assigned(
             term=int_field(h.get("term"), "term"),
             stage=int_field(h.get("stage"), "stage", 0, 4096),
             device=str_field(h.get("device"), "device", 64),
             compile_s=float_field(h.get("compile_s"), "compile_s", 0.0, 1e6),
+            kv_blocks=opt("kv_blocks", 1 << 24),
+            block_tokens=opt("block_tokens", 4096),
+            step_tokens=opt("step_tokens", MAX_TOKENS_PER_FRAME),
         )
 
 

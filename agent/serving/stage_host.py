@@ -13,6 +13,7 @@ import logging
 import os
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -158,7 +159,15 @@ class StageHost:
         self.term_seen = msg.term
         # swapped on the compute thread, between two frames: none sees half a swap
         await self.compute.async_run(self.worker.install, stage, msg)
-        return Assigned(term=msg.term, stage=msg.stage, device=stage.device, compile_s=time.monotonic() - t0)
+        done = Assigned(term=msg.term, stage=msg.stage, device=stage.device, compile_s=time.monotonic() - t0)
+        if isinstance(stage, PagedStage):  # what the coordinator's micro-batches must fit
+            done = replace(
+                done,
+                kv_blocks=stage.pool.num_blocks,
+                block_tokens=stage.block_size,
+                step_tokens=stage.max_step_tokens,
+            )
+        return done
 
     def _same_stage(self, msg: Assign) -> Stage | PagedStage | None:
         """The stage compiled here already, when ``msg`` assigns the same files the same way (a newly

@@ -33,7 +33,10 @@ async def whole(
                 parts.append(piece)
                 finish = fin or finish
     except PipelineError as e:
-        return error(503, f"generation failed: {e}", "server_error", e.code), "error"
+        resp = error(503, f"generation failed: {e}", "server_error", e.code)
+        if e.retry_after is not None:
+            resp.headers["Retry-After"] = str(e.retry_after)
+        return resp, "error"
     body = {
         **base,
         "object": "chat.completion",

@@ -25,6 +25,8 @@ from coordinator.api.generation import Tally
 from coordinator.api.limits import Refusal, client_key
 from coordinator.api.requests import BadRequest, parse_chat_request
 from coordinator.api.state import STATE, ApiState, error
+from coordinator.batching.batcher import Batcher
+from coordinator.ring.pipeline import PipelineError
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +102,16 @@ def _model_error(body: Any, st: ApiState) -> web.Response | None:
     return error(404, f"the model {model!r} does not exist here; served: {st.model}", code="model_not_found")
 
 
+def _unavailable(e: PipelineError) -> web.Response:
+    """A request the batching ring cannot take: 503 with Retry-After while its queue is full; 400
+    for a prompt no KV pool of the cluster could hold."""
+    if e.code == "context_length_exceeded":
+        return error(400, str(e), code=e.code)
+    resp = error(503, f"the cluster is busy: {e}", "server_error", e.code)
+    resp.headers["Retry-After"] = str(e.retry_after or 1)
+    return resp
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     try:
@@ -121,6 +133,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     ids = await asyncio.to_thread(st.tokenizer.chat_ids, msgs)  # tokenizing takes seconds for megabytes
     if len(ids) + opts["max_tokens"] > st.context_limit:
         return error(400, f"prompt ({len(ids)} tokens) plus max_tokens exceeds the context of {st.context_limit}")
+    if isinstance(st.scheduler, Batcher) and (full := st.scheduler.refusal(len(ids))) is not None:
+        return _unavailable(full)
     so = body.get("stream_options")
     include_usage = isinstance(so, dict) and so.get("include_usage") is True
     cid = f"chatcmpl-{secrets.token_hex(12)}"

@@ -12,6 +12,7 @@ from agent.api.events import EventHub
 from agent.common.http import api_error
 from agent.runtime.tokenizer import ChatTokenizer
 from coordinator.api.limits import Limiter
+from coordinator.batching.batcher import Batcher
 from coordinator.batching.scheduler import Scheduler
 
 
@@ -19,7 +20,7 @@ from coordinator.batching.scheduler import Scheduler
 class ApiState:
     model: str
     tokenizer: ChatTokenizer
-    scheduler: Scheduler
+    scheduler: Scheduler | Batcher
     api_key: str | None = None
     max_tokens_limit: int = 8192
     context_limit: int = 32768

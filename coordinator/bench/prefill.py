@@ -21,7 +21,7 @@ from typing import Any
 
 from agent.common import aio
 from agent.security.transport import PLAINTEXT
-from coordinator.batching.scheduler import PREFILL_PIECES_PER_STAGE, GenRequest, prefill_chunks
+from coordinator.batching.scheduler import PREFILL_PIECES_PER_STAGE, GenRequest, Scheduler, prefill_chunks
 from coordinator.bench.pipeline import IDLE_S, BenchError, Mono, _ints, _say, prepare, synthetic_ids
 from coordinator.lab.local_cluster import LocalCluster
 from coordinator.service.config import ServeConfig
@@ -34,7 +34,7 @@ async def _measure(cfg: ServeConfig, prompt: list[int], runs: int, mono: Mono) -
     out: dict[str, list[float]] = {"pieces": [], "one_frame": [], "mono": []}
     try:
         sched = coord.scheduler
-        assert sched is not None
+        assert isinstance(sched, Scheduler), "prefill pieces are the per-stream scheduler's"
         loop = asyncio.get_running_loop()
 
         async def first_token(per_stage: int) -> float:

@@ -15,7 +15,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,8 @@ from agent.protocol import (
     MAX_FRAME,
     Assign,
     Assigned,
+    Batch,
+    BatchIds,
     Close,
     Error,
     Fwd,
@@ -38,6 +40,7 @@ from agent.protocol import (
     decode,
     encode,
 )
+from agent.protocol.batch import Part
 from agent.security.errors import SecurityError
 from agent.security.transport import Transport
 from agent.serving.link import HEARTBEAT_S, Link, LinkClosed
@@ -46,9 +49,19 @@ log = logging.getLogger(__name__)
 
 
 class PipelineError(RuntimeError):
-    def __init__(self, message: str, code: str = "pipeline") -> None:
+    def __init__(self, message: str, code: str = "pipeline", retry_after: int | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.retry_after = retry_after  # seconds a client should wait before asking again (None: not said)
+
+
+@dataclass(frozen=True)
+class RingCapacity:
+    """What every stage of a paged pipeline holds: the micro-batching scheduler's ledger."""
+
+    total_blocks: int  # KV blocks of the smallest pool, in blocks of ``block_size`` tokens
+    block_size: int
+    token_budget: int  # rows one stage step takes (the smallest step budget)
 
 
 def run_token(item: tuple[int, ...] | PipelineError) -> int:
@@ -98,6 +111,9 @@ class Pipeline:
         self._control: list[aiohttp.ClientWebSocketResponse] = []
         self._link: Link | None = None
         self._pending: dict[tuple[str, int], asyncio.Future[tuple[int, ...]]] = {}
+        self._batches: dict[int, asyncio.Future[BatchIds]] = {}  # micro-batches in flight, by seq
+        # told of every error the ring reports for a stream (the micro-batching scheduler's parts)
+        self.on_stream_error: Callable[[str, int | None, PipelineError], None] | None = None
         self._passed: dict[tuple[str, int], asyncio.Future[None]] = {}  # steps stage 0 is to confirm
         # per stream: the bottleneck stage's compute time of its latest step, in seconds
         self.busy_s: dict[str, float] = {}
@@ -174,6 +190,16 @@ class Pipeline:
         reply = self._replies[i] if i < len(self._replies) else None
         return reply is not None and reply.done()
 
+    def capacity(self) -> RingCapacity | None:
+        """The ring's KV pool and step budget when every stage is paged (None: some stage is
+        stateful, or not assigned yet). Stages of unlike block sizes count in the largest."""
+        if not self.assigned or not all(a is not None and a.paged for a in self.assigned):
+            return None
+        bs = max(a.block_tokens or 1 for a in self.assigned)
+        total = min((a.kv_blocks or 0) * (a.block_tokens or 1) // bs for a in self.assigned)
+        budget = min(a.step_tokens or 2048 for a in self.assigned)
+        return RingCapacity(total, bs, budget) if total > 0 else None
+
     async def _connect(self, node: str, timeout: float) -> aiohttp.ClientWebSocketResponse:
         assert self._session is not None
         deadline = time.monotonic() + min(timeout, 60.0)
@@ -221,7 +247,8 @@ class Pipeline:
         why = why or f"the agent at {node} is gone"
         log.warning("pipeline stopped: %s", why)
         err = PipelineError(why, "node_lost")
-        for fut in self._pending.values():
+        futs: list[asyncio.Future[Any]] = [*self._pending.values(), *self._batches.values()]
+        for fut in futs:
             if not fut.done():
                 fut.set_exception(err)
         for q in self._queues.values():
@@ -313,6 +340,33 @@ class Pipeline:
         )
         return q
 
+    def send_batch(self, parts: Sequence[Part], ids: Sequence[int]) -> asyncio.Future[BatchIds]:
+        """Send one micro-batch (``parts``, and their token ids one part after another) into the
+        ring now; the future gets the last stage's :class:`BatchIds`. A part a stage refuses is
+        reported through :attr:`on_stream_error` and left out of the answer; when no part gets
+        through, no answer comes (the scheduler counts the errors)."""
+        link = self._ready()
+        seq = next(self._seq)
+        arr = np.asarray(ids, dtype=np.int32)
+        msg = Batch(term=self.term, seq=seq, dtype="i32", parts=tuple(parts), sent_at=time.time())
+        if msg.rows != arr.size:
+            raise ValueError(f"{arr.size} ids for parts of {msg.rows} rows")
+        fut: asyncio.Future[BatchIds] = asyncio.get_running_loop().create_future()
+        try:
+            link.send_nowait(encode(msg, arr.tobytes()))
+        except LinkClosed as e:
+            raise PipelineError(str(e), "node_lost") from e
+        self._batches[seq] = fut
+        fut.add_done_callback(lambda _: self._batches.pop(seq, None))
+        return fut
+
+    def close_stream_nowait(self, stream: str) -> None:
+        """End ``stream`` on every stage (its KV blocks go back to the pools), in order with the
+        frames sent before and after it."""
+        if self._link is not None and not self._link.closed and self.lost is None:
+            with contextlib.suppress(LinkClosed):
+                self._link.send_nowait(encode(Close(term=self.term, stream=stream)))
+
     def end_run(self, stream: str) -> None:
         """The ring run of ``stream`` is over: its later steps resolve futures again."""
         self._queues.pop(stream, None)
@@ -358,7 +412,7 @@ class Pipeline:
         except ProtocolError as e:
             log.warning("bad frame on the return path: %s", e)
             return
-        if isinstance(msg, Ids | Passed) and msg.term != self.term:
+        if isinstance(msg, Ids | Passed | BatchIds) and msg.term != self.term:
             log.info("dropped a %s frame of term %d (this pipeline's is %d)", msg.TYPE, msg.term, self.term)
             return
         if from_ring and isinstance(msg, Error) and msg.stream is None:  # the ring names every error's stream
@@ -366,6 +420,10 @@ class Pipeline:
             return
         if isinstance(msg, Passed):
             _resolve(self._passed.pop((msg.stream, msg.seq), None))
+        elif isinstance(msg, BatchIds):
+            bfut = self._batches.get(msg.seq)
+            if bfut is not None and not bfut.done():
+                bfut.set_result(msg)
         elif isinstance(msg, Ids):
             fut = self._pending.get((msg.stream, msg.seq))
             if fut is not None:  # a step sent with send_step (maybe ahead of a ring run)
@@ -395,6 +453,8 @@ class Pipeline:
             for stream, q in self._queues.items():
                 if msg.stream is None or stream == msg.stream:
                     q.put_nowait(PipelineError(f"stage {msg.stage}: {msg.message}", msg.code))
+            if msg.stream is not None and self.on_stream_error is not None:
+                self.on_stream_error(msg.stream, msg.seq, PipelineError(f"stage {msg.stage}: {msg.message}", msg.code))
             for (stream, seq), fut in list(self._pending.items()):
                 ours = (msg.stream is None or stream == msg.stream) and (msg.seq is None or seq == msg.seq)
                 if ours and not fut.done():
@@ -402,7 +462,8 @@ class Pipeline:
 
     async def async_close(self) -> None:
         self._closing = True
-        for fut in self._pending.values():
+        futs: list[asyncio.Future[Any]] = [*self._pending.values(), *self._batches.values()]
+        for fut in futs:
             if not fut.done():
                 fut.set_exception(PipelineError("the pipeline is shutting down", "shutdown"))
         for q in self._queues.values():

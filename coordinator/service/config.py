@@ -35,7 +35,9 @@ class ServeConfig:
     data_port: int = 0  # the ring's return and stage files (0: any free port)
     data_port_fallback: bool = False  # data_port taken: any free port instead (with a warning)
     advertise_host: str | None = None
-    max_streams: int = 4
+    max_streams: int = 4  # streams in flight at once, one step each (stateful stages)
+    batching: bool = True  # paged stages: continuous batching (micro-batches of many streams)
+    batch_streams: int = 64  # streams a batching ring runs at once (more wait for their turn)
     link_delay_ms: float = 0.0
     link_mbps: float = 0.0
     wire_dtype: str = "f16"

@@ -27,6 +27,7 @@ from agent.runtime.tokenizer import ChatTokenizer
 from coordinator.api.limits import Limiter
 from coordinator.api.routes import make_api_app
 from coordinator.api.state import ApiState
+from coordinator.batching.batcher import Batcher
 from coordinator.batching.scheduler import Scheduler
 from coordinator.planning.calibration import CalibrationStore
 from coordinator.ring.pipeline import Pipeline, StagePlacement
@@ -49,7 +50,7 @@ class Coordinator:
     def __init__(self, cfg: ServeConfig) -> None:
         self.cfg = cfg
         self.pipeline: Pipeline | None = None
-        self.scheduler: Scheduler | None = None
+        self.scheduler: Scheduler | Batcher | None = None
         self.api_url = ""
         self.term = cfg.term
         self.nodes = list(cfg.nodes)  # the agents of the current plan
@@ -81,7 +82,7 @@ class Coordinator:
         cfg = self.cfg
         await self.listener.async_start()
         self.pipeline = await self._async_build(cfg.nodes, cfg.split)
-        self.scheduler = Scheduler(self.pipeline, cfg.max_streams, await self._async_spec(), ring_loop=cfg.ring_loop)
+        self.scheduler = await self._async_scheduler(self.pipeline)
         if cfg.failover:
             self.scheduler.recover = self.failover.async_recover
             await self.failover.async_spare_for(cfg.nodes)
@@ -91,6 +92,16 @@ class Coordinator:
             await self._async_start_api(self.scheduler)
         self.prep.ready()
         cfg.ready.set()
+
+    async def _async_scheduler(self, pipeline: Pipeline) -> Scheduler | Batcher:
+        """Continuous batching where every stage is paged (unless configured off); else one
+        stream per step, with speculation where a draft is configured."""
+        cfg = self.cfg
+        if cfg.batching and pipeline.capacity() is not None:
+            if cfg.draft:
+                log.warning("the stages are paged: requests are batched and decode plainly (no speculation yet)")
+            return Batcher(pipeline, cfg.batch_streams)
+        return Scheduler(pipeline, cfg.max_streams, await self._async_spec(), ring_loop=cfg.ring_loop)
 
     async def _async_spec(self) -> SpecConfig | None:
         """Speculative decoding's settings, its drafter loaded (None: no draft configured)."""
@@ -107,7 +118,7 @@ class Coordinator:
         log.info("speculative decoding with %s, K %s", drafter.name, cfg.spec_k if cfg.spec_k is not None else "auto")
         return SpecConfig(drafter, k=cfg.spec_k, depth=cfg.spec_depth)
 
-    async def _async_start_api(self, scheduler: Scheduler) -> None:
+    async def _async_start_api(self, scheduler: Scheduler | Batcher) -> None:
         cfg = self.cfg
         assert self._tokenizer is not None
         state = ApiState(

@@ -13,6 +13,7 @@ from typing import Protocol
 
 from agent.api.events import EventHub
 from agent.export.exporter import ExportResult
+from coordinator.batching.batcher import Batcher
 from coordinator.batching.scheduler import Scheduler
 from coordinator.planning.calibration import CalibrationStore
 from coordinator.ring.pipeline import Pipeline
@@ -28,7 +29,7 @@ class Core(Protocol):
     term: int
     nodes: list[str]  # the agents of the current plan, in stage order
     pipeline: Pipeline | None
-    scheduler: Scheduler | None
+    scheduler: Scheduler | Batcher | None
     calibration: CalibrationStore
     exports: StageExports
     plan_lock: asyncio.Lock  # one plan change at a time (a re-plan, a recovery)

@@ -23,6 +23,7 @@ from agent.protocol import Batch, Close, Error, Message, Part, decode, encode
 from agent.protocol.data import SamplingSpec
 from agent.runtime.paged import PagedStage
 from agent.serving.paged_worker import PagedWorker
+from coordinator.batching.batcher import Batcher
 from coordinator.batching.scheduler import GenRequest
 from coordinator.lab.local_cluster import LocalCluster
 from coordinator.service.coordinator import Coordinator
@@ -255,21 +256,23 @@ def test_a_full_pool_fails_only_the_parts_that_need_new_blocks(export: Path) -> 
     assert stage.free_blocks == 4
 
 
-def test_todays_coordinator_generates_the_same_text_on_paged_agents(
-    paged: LocalCluster, stateful: LocalCluster, smollm2: Any, prompts: list[list[int]]
+@pytest.mark.parametrize("batching", [False, True])
+def test_the_coordinator_generates_the_same_text_on_paged_agents(
+    paged: LocalCluster, stateful: LocalCluster, smollm2: Any, prompts: list[list[int]], batching: bool
 ) -> None:
-    """Fwd frames through paged stages: the coordinator's greedy and seeded requests, 3 at a
-    time, with the ring running plain decoding on its own (Fwd.auto), give the tokens they
-    give on stateful agents."""
+    """The coordinator's greedy and seeded requests, 3 at a time, on paged stages give the
+    tokens they give on stateful agents: with continuous batching (micro-batches of all three),
+    and without (Fwd frames, the ring running plain decoding on its own, Fwd.auto)."""
     jobs = [(tuple(p), s) for p, s in zip(prompts[:3], (GREEDY, GREEDY, SAMPLED), strict=True)]
 
     def run(nodes: list[str]) -> list[list[int]]:
         async def go() -> list[list[int]]:
-            coord = Coordinator(exact_config(smollm2, nodes, next(_terms), max_streams=4, failover=False))
+            cfg = exact_config(smollm2, nodes, next(_terms), max_streams=4, failover=False, batching=batching)
+            coord = Coordinator(cfg)
             await coord.async_start()
             try:
                 sched = coord.scheduler
-                assert sched is not None
+                assert isinstance(sched, Batcher) == (batching and nodes == paged.nodes)
 
                 async def one(prompt: tuple[int, ...], s: SamplingSpec) -> list[int]:
                     req = GenRequest(prompt=prompt, max_tokens=24, sampling=s)
@@ -297,7 +300,13 @@ def test_speculative_decoding_on_paged_agents_gives_the_plain_tokens(
 
     async def go() -> list[list[int]]:
         cfg = exact_config(
-            smollm2, paged.nodes, next(_terms), draft="smollm2-135m", draft_weights="int4", failover=False
+            smollm2,
+            paged.nodes,
+            next(_terms),
+            draft="smollm2-135m",
+            draft_weights="int4",
+            failover=False,
+            batching=False,  # speculation runs on the per-stream path (micro-batches do not carry it yet)
         )
         coord = Coordinator(cfg)
         await coord.async_start()

@@ -1,0 +1,421 @@
+"""Continuous batching around a ring of paged stages: the I/O shell of :mod:`.microbatch`.
+
+Every request is a stream of this scheduler. Whenever something changes (a request arrives, a
+micro-batch's answer comes back, a part fails, a client goes away) the pump asks the pure policy
+(:func:`~coordinator.batching.microbatch.next_batch`) for micro-batches until it has none, and
+sends each as one :class:`~agent.protocol.batch.Batch` into stage 0: prompt chunks and decode
+steps of many streams, computed by each stage in one infer call, about S micro-batches out on
+S stages. The last stage answers with every part's tokens (:class:`~agent.protocol.batch.BatchIds`).
+
+The KV ledger is what the streams hold: the smallest pool's blocks less every stream's. A
+stream's blocks return when its ``Close`` is sent, which every stage takes before any later
+frame. A stream whose part fails (a stage refused it, a pool was short after all), or that the
+policy preempts, is closed on every stage and becomes a prompt of its tokens so far: it is
+recomputed, and greedy and seeded sampling (a function of the position) give the same tokens.
+After a node is lost the same holds for every stream, on the re-planned pipeline.
+
+Speculative decoding does not ride in micro-batches yet: on a paged ring, requests decode plainly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+from agent.protocol import BatchIds
+from agent.protocol.batch import MAX_PARTS, Part
+from coordinator.batching.microbatch import (
+    JOIN,
+    QUEUE,
+    TOO_LONG,
+    Plan,
+    QueueState,
+    RingState,
+    SchedState,
+    StreamState,
+    admit,
+    next_batch,
+)
+from coordinator.batching.scheduler import MAX_RECOVERIES, RECOVERABLE, GenRequest
+from coordinator.ring.pipeline import Pipeline, PipelineError, RingCapacity
+
+log = logging.getLogger(__name__)
+MAX_RESETS = 4  # times one stream is recomputed after its parts failed, before its request fails
+QUEUE_LIMIT = 64  # requests waiting for blocks or a stream slot before the API answers 503
+MAX_PLANS = 64  # micro-batches planned in one go (the policy stops far sooner)
+
+
+@dataclass
+class _Stream:
+    name: str  # its stream id on the ring
+    req: GenRequest
+    arrival: int
+    tokens: list[int]  # prompt and generated so far
+    out: asyncio.Queue[int | BaseException | None] = field(default_factory=asyncio.Queue)
+    emitted: int = 0
+    context: int = 0  # positions in the stages' caches once its part in flight lands
+    blocks: int = 0
+    started: bool = False
+    in_flight: int | None = None  # the micro-batch it rides in
+    part: Part | None = None  # its part in that micro-batch
+    first_seq: int = 0  # its parts from here on belong to its current start (older errors are stale)
+    ready_since: int = 0
+    resets: int = 0
+    done: bool = False
+
+    def state(self) -> StreamState:
+        pending = len(self.tokens) - self.context
+        prefill = pending if (pending > 1 or not self.started) else 0
+        return StreamState(
+            stream=self.name,
+            arrival=self.arrival,
+            prefill=prefill,
+            context=self.context if self.started else 0,
+            blocks=self.blocks,
+            in_flight=self.in_flight,
+            ready_since=self.ready_since,
+        )
+
+
+@dataclass
+class _Flight:
+    """A micro-batch out on the ring: the streams still waiting for its answer."""
+
+    streams: dict[str, _Stream]
+    fut: asyncio.Future[BatchIds]
+
+
+class Batcher:
+    """Many streams' steps per stage step; the same ``async_generate`` as :class:`Scheduler`."""
+
+    def __init__(self, pipeline: Pipeline, max_streams: int = MAX_PARTS, queue_limit: int = QUEUE_LIMIT) -> None:
+        self.pipeline = pipeline
+        self.max_streams = max(1, min(max_streams, MAX_PARTS))
+        self.queue_limit = queue_limit
+        self.speculator = None  # the status pages ask; speculation does not batch yet
+        self.recover: Callable[[Pipeline], Awaitable[None]] | None = None
+        self.tokens_out = 0
+        self.replays = 0  # streams recomputed after a failover, a failed part or a preemption
+        self.batches_sent = 0
+        self.parts_sent = 0
+        self._streams: dict[str, _Stream] = {}
+        self._flights: dict[int, _Flight] = {}
+        self._arrivals = itertools.count()
+        self._ticks = itertools.count(1)
+        self._seqs = itertools.count(1)
+        self._wake = asyncio.Event()
+        self._pump: asyncio.Task[None] | None = None
+        self._recovering = False
+        self._recovery: asyncio.Task[None] | None = None
+        self._cap: RingCapacity | None = None
+        self._finished: list[float] = []  # when recent requests finished (the admission's rate)
+        self._attach(pipeline)
+
+    # -- what the API and the status pages read ---------------------------------------------------
+    @property
+    def active(self) -> int:
+        return sum(s.started for s in self._streams.values())
+
+    @property
+    def waiting(self) -> int:
+        return sum(not s.started for s in self._streams.values())
+
+    @property
+    def max_in_flight(self) -> int:
+        return len(self.pipeline.placements)
+
+    def set_pipeline(self, pipeline: Pipeline) -> None:
+        """A re-planned pipeline: every stream starts over on it from its tokens so far."""
+        if pipeline is self.pipeline:
+            return
+        self._attach(pipeline)
+        for f in self._flights.values():
+            f.fut.cancel()
+        self._flights.clear()
+        for s in self._streams.values():
+            self._restart(s, close=False)
+        self._poke()
+
+    def _attach(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+        pipeline.on_stream_error = self._on_error
+        self._cap = pipeline.capacity()
+
+    # -- requests -----------------------------------------------------------------------------------
+    async def async_generate(self, req: GenRequest) -> AsyncGenerator[int, None]:
+        """Yield the generated token ids (stop token excluded) as they arrive. A request the
+        cluster cannot take now raises a PipelineError with ``retry_after`` (the API's 503)."""
+        if not req.prompt:
+            raise ValueError("empty prompt")
+        if req.max_tokens <= 0:
+            return
+        self._admit(req)
+        s = _Stream(self.pipeline.new_stream(), req, next(self._arrivals), list(req.prompt))
+        s.ready_since = next(self._ticks)
+        self._streams[s.name] = s
+        self._ensure_pump()
+        self._poke()
+        try:
+            while True:
+                item = await s.out.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self._finish(s)
+
+    def _admit(self, req: GenRequest) -> None:
+        no = self.refusal(len(req.prompt))
+        if no is not None:
+            raise no
+
+    def refusal(self, prompt: int) -> PipelineError | None:
+        """Why a request of ``prompt`` tokens cannot be taken now (None: it can): the admission
+        queue is full (``overloaded``, with ``retry_after``), or no pool could ever hold it."""
+        cap = self._capacity()
+        q = QueueState(
+            prompt=prompt,
+            waiting=self.waiting,
+            started=self.active,
+            free_blocks=self._free(cap),
+            total_blocks=cap.total_blocks,
+            block_size=cap.block_size,
+            max_streams=self.max_streams,
+            finished_per_s=self._finish_rate(),
+        )
+        verdict = admit(q, self.queue_limit)
+        if verdict.verdict == TOO_LONG:
+            return PipelineError(verdict.reason, "context_length_exceeded")
+        if verdict.verdict not in (JOIN, QUEUE):
+            return PipelineError(verdict.reason, "overloaded", retry_after=verdict.retry_after_s)
+        return None
+
+    def _finish_rate(self) -> float:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        self._finished = [t for t in self._finished if now - t < 60.0]
+        if len(self._finished) < 2:
+            return 0.0
+        return len(self._finished) / max(1.0, now - self._finished[0])
+
+    def _capacity(self) -> RingCapacity:
+        cap = self._cap or self.pipeline.capacity()
+        if cap is None:
+            raise PipelineError("the pipeline's stages are not paged: they cannot batch", "not_paged")
+        self._cap = cap
+        return cap
+
+    def _free(self, cap: RingCapacity) -> int:
+        return max(0, cap.total_blocks - sum(s.blocks for s in self._streams.values()))
+
+    def _finish(self, s: _Stream) -> None:
+        """The request is over (answered, failed, or its client left): its blocks go back."""
+        if s.done:
+            return
+        s.done = True
+        self._streams.pop(s.name, None)
+        self._finished.append(asyncio.get_running_loop().time())
+        if s.in_flight is not None:
+            f = self._flights.get(s.in_flight)
+            if f is not None:
+                f.streams.pop(s.name, None)
+                if not f.streams:
+                    self._flights.pop(s.in_flight, None)
+        if s.started:
+            self.pipeline.close_stream_nowait(s.name)
+        self._poke()
+
+    # -- the pump -----------------------------------------------------------------------------------
+    def _ensure_pump(self) -> None:
+        if self._pump is None or self._pump.done():
+            self._pump = asyncio.create_task(self._run(), name="batcher")
+
+    def _poke(self) -> None:
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self._recovering:
+                continue
+            try:
+                self._plan_all()
+            except PipelineError as e:
+                self._start_recovery(e)
+            except Exception as e:  # a bug here must not wedge every request: fail them, say why
+                log.exception("micro-batch scheduler failed")
+                for s in list(self._streams.values()):
+                    s.out.put_nowait(PipelineError(f"the scheduler failed: {e}", "internal"))
+
+    def _plan_all(self) -> None:
+        cap = self._capacity()
+        for _ in range(MAX_PLANS):
+            if not self._streams:
+                return
+            ring = RingState(
+                stages=len(self.pipeline.placements),
+                token_budget=cap.token_budget,
+                free_blocks=self._free(cap),
+                total_blocks=cap.total_blocks,
+                block_size=cap.block_size,
+                in_flight=len(self._flights),
+                max_streams=self.max_streams,
+            )
+            plan = next_batch(SchedState(ring, tuple(s.state() for s in self._streams.values())))
+            if plan is None:
+                return
+            self._apply(plan)
+
+    def _apply(self, plan: Plan) -> None:
+        for name in plan.too_long:
+            s = self._streams[name]
+            s.out.put_nowait(
+                PipelineError("the answer no longer fits the cluster's KV cache", "context_length_exceeded")
+            )
+            self._finish(s)
+        for name in plan.preempt:
+            log.info("preempting stream %s: its blocks go to an older one", name)
+            self._restart(self._streams[name], close=True)
+        if not plan.parts:
+            return
+        parts, ids, riders = [], [], {}
+        for pp in plan.parts:
+            s = self._streams[pp.stream]
+            if pp.start:
+                s.started, s.context, s.first_seq = True, 0, next(self._seqs)
+                seq = s.first_seq
+            else:
+                seq = next(self._seqs)
+            part = Part(pp.stream, seq, pp.n, pp.start, pp.rollback, pp.logits, s.req.sampling)
+            ids += s.tokens[s.context : s.context + pp.n]
+            s.context += pp.n
+            s.blocks = pp.blocks
+            s.part = part
+            parts.append(part)
+            riders[s.name] = s
+        fut = self.pipeline.send_batch(parts, ids)
+        for s in riders.values():
+            s.in_flight = id(fut)
+        self._flights[id(fut)] = _Flight(riders, fut)
+        self.batches_sent += 1
+        self.parts_sent += len(parts)
+        fut.add_done_callback(lambda f: self._landed(id(f), f))
+
+    def _restart(self, s: _Stream, *, close: bool) -> None:
+        """Start ``s`` over from its tokens so far (its stages' state is gone or wrong)."""
+        if close and s.started:
+            self.pipeline.close_stream_nowait(s.name)
+        s.started, s.context, s.blocks, s.in_flight, s.part = False, 0, 0, None, None
+        s.ready_since = next(self._ticks)
+        self.replays += 1
+
+    # -- answers ------------------------------------------------------------------------------------
+    def _landed(self, key: int, fut: asyncio.Future[BatchIds]) -> None:
+        flight = self._flights.pop(key, None)
+        if flight is None or fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is not None:
+            self._poke()
+            self._start_recovery(exc if isinstance(exc, PipelineError) else PipelineError(str(exc)))
+            return
+        got = fut.result().tokens_of()
+        tick = next(self._ticks)
+        for s in flight.streams.values():
+            part = s.part
+            s.in_flight, s.part, s.ready_since = None, None, tick
+            if part is None or not part.logits:
+                continue
+            toks = got.get(s.name)
+            if toks is None:  # its part failed on a stage; the error says why (or comes later)
+                self._failed(s, PipelineError("a stage dropped its part", "part_failed"))
+                continue
+            self._deliver(s, toks)
+        self._poke()
+
+    def _deliver(self, s: _Stream, toks: tuple[int, ...]) -> None:
+        for tok in toks:
+            if tok in s.req.stop_ids:
+                s.out.put_nowait(None)
+                self._finish(s)
+                return
+            s.tokens.append(tok)
+            s.emitted += 1
+            self.tokens_out += 1
+            s.out.put_nowait(tok)
+            if s.emitted >= s.req.max_tokens:
+                s.out.put_nowait(None)
+                self._finish(s)
+                return
+
+    def _on_error(self, stream: str, seq: int | None, err: PipelineError) -> None:
+        """A stage refused one of a stream's parts."""
+        s = self._streams.get(stream)
+        if s is None or (seq is not None and seq < s.first_seq):
+            return  # a stream that ended, or a part from before its last start
+        if s.in_flight is not None:
+            f = self._flights.get(s.in_flight)
+            if f is not None:
+                f.streams.pop(s.name, None)
+                if not f.streams:  # no part of it got through: no answer will come
+                    self._flights.pop(s.in_flight, None)
+        self._failed(s, err)
+        self._poke()
+
+    def _failed(self, s: _Stream, err: PipelineError) -> None:
+        if err.code in ("node_lost", "stale_term", "paused"):
+            return  # the pipeline is going: failover starts every stream over
+        s.resets += 1
+        if s.resets > MAX_RESETS:
+            s.out.put_nowait(err)
+            self._finish(s)
+            return
+        log.info("stream %s starts over after a failed part: %s", s.name, err)
+        self._restart(s, close=True)
+
+    def _start_recovery(self, err: PipelineError) -> None:
+        if self._recovering:
+            return
+        self._recovering = True
+        self._recovery = asyncio.get_running_loop().create_task(self._lost(err))
+
+    async def _lost(self, err: PipelineError) -> None:
+        """The pipeline broke: re-plan (through ``recover``), then every stream starts over on the
+        new one; without a way to recover, every request fails with the error."""
+        failed = self.pipeline
+        try:
+            ok = self.recover is not None and (err.code in RECOVERABLE or failed.lost is not None)
+            for _ in range(MAX_RECOVERIES if ok else 0):
+                try:
+                    assert self.recover is not None
+                    await self.recover(failed)
+                except PipelineError as e:
+                    err = e
+                    break
+                if self.pipeline is not failed:
+                    break
+            if self.pipeline is failed or not ok:
+                for s in list(self._streams.values()):
+                    s.out.put_nowait(err)
+                    self._finish(s)
+                return
+            log.warning("micro-batching resumes on the re-planned pipeline (%d streams)", len(self._streams))
+        finally:
+            self._recovering = False
+            self._poke()
+
+    def shutdown(self) -> None:
+        for t in (self._pump, self._recovery):
+            if t is not None:
+                t.cancel()
+        for s in list(self._streams.values()):
+            s.out.put_nowait(PipelineError("the coordinator is shutting down", "shutdown"))
+        with contextlib.suppress(RuntimeError):
+            self._poke()

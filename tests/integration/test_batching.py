@@ -1,0 +1,196 @@
+"""Continuous batching (issue 39): the coordinator runs many streams per stage step on paged agents.
+
+Real agent processes started ``--attention paged``, a real coordinator (its micro-batching
+scheduler, :class:`coordinator.batching.batcher.Batcher`), SmolLM2 INT8 with f32 activations,
+wire and KV (``exact_config``), so that every comparison is token for token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from agent.common import aio
+from agent.protocol.data import SamplingSpec
+from coordinator.batching.batcher import Batcher
+from coordinator.batching.scheduler import GenRequest
+from coordinator.lab.local_cluster import LocalCluster
+from coordinator.ring.pipeline import PipelineError
+from coordinator.service.coordinator import Coordinator
+from tests.support.exact import exact_config
+from tests.support.wait import async_wait_until
+
+TEXTS = [
+    "What is the capital of France? Tell me about the city.",
+    "Hi",
+    "Explain photosynthesis to a ten year old in simple words, please, with an example from a garden.",
+    "Why is the sky blue?",
+    "Write a haiku about laptops that share their work at night.",
+    "List three prime numbers.",
+    "How do I sort a list in Python? Show a short example and explain the key argument.",
+    "Say hello in French.",
+]
+TOKENS = 16
+SAMPLED = SamplingSpec(0.8, 0.95, 7)
+_terms = iter(range(200, 10_000))
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_tokenizer: Any) -> list[tuple[int, ...]]:
+    return [tuple(map(int, smollm2_tokenizer.chat_ids([{"role": "user", "content": t}]))) for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def ring2() -> Iterator[LocalCluster]:
+    with LocalCluster(2, threads=1, attention="paged") as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def small_pool() -> Iterator[LocalCluster]:
+    """One paged agent whose KV pool holds 12 blocks (a few streams at a time)."""
+    with LocalCluster(1, threads=1, attention="paged", env={"LAKESHARD_KV_BLOCKS": "12"}) as c:
+        yield c
+
+
+def _node(node: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://{node}/v1/node", timeout=10) as r:
+        return dict(json.loads(r.read()))
+
+
+def _sampling(i: int) -> SamplingSpec:
+    return SAMPLED if i % 4 == 3 else SamplingSpec()
+
+
+async def _with_coordinator(model: Any, nodes: list[str], job: Any, **kw: Any) -> Any:
+    kw.setdefault("failover", False)
+    coord = Coordinator(exact_config(model, nodes, next(_terms), **kw))
+    await coord.async_start()
+    try:
+        assert isinstance(coord.scheduler, Batcher), "paged agents: the coordinator batches"
+        return await job(coord.scheduler)
+    finally:
+        await coord.async_stop()
+
+
+async def _one(b: Batcher, prompt: tuple[int, ...], i: int, delay: float = 0.0) -> list[int]:
+    await asyncio.sleep(delay)
+    req = GenRequest(prompt=prompt, max_tokens=TOKENS + i % 3 * 4, sampling=_sampling(i))
+    return [t async for t in b.async_generate(req)]
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_every_stream_gets_its_solo_tokens_batched_with_others_that_come_and_go(
+    ring2: LocalCluster, smollm2: Any, prompts: list[tuple[int, ...]], stages: int
+) -> None:
+    """8 streams of different prompt lengths and answer lengths, greedy and seeded, joining at
+    random moments while others decode, on 1 and 2 stages: each one's tokens are those it gets
+    alone, the stages computed many streams per step, and every KV block is free afterwards."""
+    nodes = ring2.nodes[:stages]
+    delays = [random.Random(stages * 100 + i).uniform(0.0, 1.5) for i in range(len(prompts))]
+
+    async def alone(b: Batcher) -> list[list[int]]:
+        return [await _one(b, p, i) for i, p in enumerate(prompts)]
+
+    async def together(b: Batcher) -> tuple[list[list[int]], float]:
+        out = await asyncio.gather(*[_one(b, p, i, delays[i]) for i, p in enumerate(prompts)])
+        return list(out), b.parts_sent / max(1, b.batches_sent)
+
+    solo = aio.run(_with_coordinator(smollm2, nodes, alone))
+    batched, parts_per_batch = aio.run(_with_coordinator(smollm2, nodes, together))
+    assert batched == solo
+    assert all(len(t) > 0 for t in solo)
+    assert parts_per_batch > 1.5, "streams shared stage steps"
+
+    async def pools_full() -> bool:
+        stages_now = [_node(n)["stage"] for n in nodes]
+        return all(s["kv_blocks_free"] == s["kv_blocks_total"] for s in stages_now)
+
+    aio.run(async_wait_until(pools_full, timeout=10, what="every stage's KV blocks free again"))
+
+
+def test_a_pool_too_small_for_everyone_makes_streams_wait_and_each_still_gets_its_tokens(
+    small_pool: LocalCluster, smollm2: Any, prompts: list[tuple[int, ...]]
+) -> None:
+    """12 KV blocks of 32 tokens cannot hold 8 streams at once: some wait (or are preempted and
+    recomputed) and every answer is still the one it gets alone; the pool is full again after."""
+    nodes = small_pool.nodes
+
+    async def alone(b: Batcher) -> list[list[int]]:
+        return [await _one(b, p, i) for i, p in enumerate(prompts)]
+
+    async def together(b: Batcher) -> tuple[list[list[int]], int]:
+        most_waiting = 0
+
+        async def watch() -> None:
+            nonlocal most_waiting
+            while True:
+                most_waiting = max(most_waiting, b.waiting)
+                await asyncio.sleep(0.01)
+
+        watcher = asyncio.create_task(watch())
+        out = await asyncio.gather(*[_one(b, p, i) for i, p in enumerate(prompts)])
+        watcher.cancel()
+        return list(out), most_waiting
+
+    solo = aio.run(_with_coordinator(smollm2, nodes, alone))
+    batched, most_waiting = aio.run(_with_coordinator(smollm2, nodes, together))
+    assert batched == solo
+    assert most_waiting > 0, "some streams waited for blocks"
+    stage = _node(nodes[0])["stage"]
+    assert stage["kv_blocks_total"] == 12
+
+    async def pool_full() -> bool:
+        s = _node(nodes[0])["stage"]
+        return bool(s["kv_blocks_free"] == s["kv_blocks_total"])
+
+    aio.run(async_wait_until(pool_full, timeout=10, what="the pool full again"))
+
+
+def test_a_full_admission_queue_is_refused_with_a_retry_time(
+    small_pool: LocalCluster, smollm2: Any, prompts: list[tuple[int, ...]]
+) -> None:
+    """Past the admission queue's limit a request is refused at once with how long to wait
+    (the API's 503 and Retry-After); the requests admitted finish."""
+
+    async def job(b: Batcher) -> tuple[list[list[int]], PipelineError]:
+        b.queue_limit, b.max_streams = 1, 1
+        first = asyncio.create_task(_one(b, prompts[0], 0))
+        await async_wait_until(lambda: b.active == 1, timeout=10, what="the first request running")
+        second = asyncio.create_task(_one(b, prompts[1], 1))
+        await async_wait_until(lambda: b.waiting == 1, timeout=10, what="the second request queued")
+        with pytest.raises(PipelineError) as refused:
+            await _one(b, prompts[2], 2)
+        return [await first, await second], refused.value
+
+    done, err = aio.run(_with_coordinator(smollm2, small_pool.nodes, job))
+    assert all(len(t) > 0 for t in done)
+    assert err.code == "overloaded" and err.retry_after is not None and err.retry_after >= 1
+
+
+def test_a_stage_killed_mid_batch_loses_and_repeats_no_token(smollm2: Any, prompts: list[tuple[int, ...]]) -> None:
+    """6 streams batched over 3 paged agents; one agent is killed while they decode. The
+    coordinator re-plans over the other two and recomputes every stream from its tokens so far:
+    each text equals the undisturbed run's, with no token lost or repeated."""
+    with LocalCluster(3, threads=1, attention="paged") as cluster:
+        jobs = list(enumerate(prompts[:6]))
+
+        async def undisturbed(b: Batcher) -> list[list[int]]:
+            return list(await asyncio.gather(*[_one(b, p, i) for i, p in jobs]))
+
+        async def killed(b: Batcher) -> tuple[list[list[int]], int]:
+            runs = [asyncio.create_task(_one(b, p, i)) for i, p in jobs]
+            await async_wait_until(lambda: b.tokens_out >= 12, timeout=60, what="the streams decoding")
+            await asyncio.to_thread(cluster.kill, 2)
+            return list(await asyncio.gather(*runs)), b.replays
+
+        want = aio.run(_with_coordinator(smollm2, cluster.nodes, undisturbed))
+        got, replays = aio.run(_with_coordinator(smollm2, cluster.nodes, killed, failover=True))
+    assert got == want
+    assert replays > 0, "the streams were recomputed on the re-planned ring"
