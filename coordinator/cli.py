@@ -78,7 +78,17 @@ def add_commands(commands: Commands) -> None:
     )
     sv.add_argument("--data-host", default="127.0.0.1", help="address agents reach the coordinator on")
     sv.add_argument("--data-port", type=port, default=0)
-    sv.add_argument("--streams", type=positive_int, default=4, help="streams in flight at once (micro-batching)")
+    sv.add_argument("--streams", type=positive_int, default=4, help="streams in flight at once (stateful stages)")
+    sv.add_argument(
+        "--batch-streams", type=positive_int, default=64, help="streams a ring of paged stages batches at once"
+    )
+    sv.add_argument(
+        "--batch-queue",
+        type=int,
+        default=64,
+        help="requests that wait for a place in the batch before the API answers 503 with Retry-After",
+    )
+    sv.add_argument("--no-batching", action="store_true", help="one stream per step even where the stages are paged")
     sv.add_argument("--link-delay-ms", type=float, default=0.0, help="added one-way delay per hop (WAN stand-in)")
     sv.add_argument(
         "--link-mbps", type=float, default=0.0, help="line rate of every hop and stage download (WAN stand-in; 0: none)"
@@ -219,6 +229,9 @@ def _serve(args: argparse.Namespace) -> int:
         data_host=args.data_host,
         data_port=args.data_port,
         max_streams=args.streams,
+        batching=not args.no_batching,
+        batch_streams=args.batch_streams,
+        batch_queue=max(0, args.batch_queue),
         link_delay_ms=args.link_delay_ms,
         link_mbps=args.link_mbps,
         wire_dtype="f32" if args.exact else args.wire,

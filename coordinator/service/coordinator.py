@@ -100,7 +100,7 @@ class Coordinator:
         if cfg.batching and pipeline.capacity() is not None:
             if cfg.draft:
                 log.warning("the stages are paged: requests are batched and decode plainly (no speculation yet)")
-            return Batcher(pipeline, cfg.batch_streams)
+            return Batcher(pipeline, cfg.batch_streams, cfg.batch_queue)
         return Scheduler(pipeline, cfg.max_streams, await self._async_spec(), ring_loop=cfg.ring_loop)
 
     async def _async_spec(self) -> SpecConfig | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -194,3 +195,30 @@ def test_a_stage_killed_mid_batch_loses_and_repeats_no_token(smollm2: Any, promp
         got, replays = aio.run(_with_coordinator(smollm2, cluster.nodes, killed, failover=True))
     assert got == want
     assert replays > 0, "the streams were recomputed on the re-planned ring"
+
+
+def test_the_api_answers_503_with_retry_after_when_the_admission_queue_is_full() -> None:
+    """``lakeshard serve`` on a paged agent, one stream batched at a time and no place in the
+    queue: while a streamed chat is being answered, another gets 503 with a Retry-After header
+    at once; the first one is answered to its end."""
+    from tests.support.served import Served
+
+    served = Served(1, "--batch-streams", "1", "--batch-queue", "0", agent_args=["--attention", "paged"])
+    url = f"{served.api_url}/v1/chat/completions"
+
+    def request(text: str, stream: bool) -> urllib.request.Request:
+        body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": text}], "max_tokens": 24}
+        body["stream"] = stream
+        return urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+
+    try:
+        with urllib.request.urlopen(request(TEXTS[0], True), timeout=120) as first:
+            assert first.readline().startswith(b"data: ")  # its first chunk: it holds the one place
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request(TEXTS[1], False), timeout=60)
+            rest = first.read().decode()
+    finally:
+        served.stop()
+    assert refused.value.code == 503 and int(refused.value.headers["Retry-After"]) >= 1
+    assert json.loads(refused.value.read())["error"]["code"] == "overloaded"
+    assert rest.rstrip().endswith("data: [DONE]")
