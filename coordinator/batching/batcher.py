@@ -14,7 +14,7 @@ policy preempts, is closed on every stage and becomes a prompt of its tokens so 
 recomputed, and greedy and seeded sampling (a function of the position) give the same tokens.
 After a node is lost the same holds for every stream, on the re-planned pipeline.
 
-Speculative decoding does not ride in micro-batches yet: on a paged ring, requests decode plainly.
+With a draft configured, a stream's decode part is a verify of its drafts (:mod:`.drafts`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from agent.protocol import BatchIds
 from agent.protocol.batch import MAX_PARTS, Part
+from coordinator.batching.drafts import BatchDrafter, Drafts
 from coordinator.batching.microbatch import (
     JOIN,
     QUEUE,
@@ -42,6 +43,7 @@ from coordinator.batching.microbatch import (
 )
 from coordinator.batching.scheduler import MAX_RECOVERIES, RECOVERABLE, GenRequest
 from coordinator.ring.pipeline import Pipeline, PipelineError, RingCapacity
+from coordinator.speculative.decoding import SpecConfig
 
 log = logging.getLogger(__name__)
 MAX_RESETS = 4  # times one stream is recomputed after its parts failed, before its request fails
@@ -63,13 +65,25 @@ class _Stream:
     in_flight: int | None = None  # the micro-batch it rides in
     part: Part | None = None  # its part in that micro-batch
     first_seq: int = 0  # its parts from here on belong to its current start (older errors are stale)
+    rollback: int = 0  # positions of rejected drafts its next part drops first
+    drafts: Drafts | None = None  # speculating: its draft session and next proposal
+    sent_drafts: list[int] = field(default_factory=list)  # the drafts its part in flight verifies
     ready_since: int = 0
     resets: int = 0
     done: bool = False
 
-    def state(self) -> StreamState:
-        pending = len(self.tokens) - self.context
+    @property
+    def kept(self) -> int:
+        """Positions its stages keep once they drop its rejected drafts."""
+        return self.context - self.rollback
+
+    def state(self) -> StreamState | None:
+        """As the policy sees it; None while it drafts (it sits this micro-batch out)."""
+        if self.drafts is not None and self.drafts.busy and self.in_flight is None:
+            return None
+        pending = len(self.tokens) - self.kept
         prefill = pending if (pending > 1 or not self.started) else 0
+        k = len(self.drafts.proposal) if self.drafts is not None and self.started and not prefill else 0
         return StreamState(
             stream=self.name,
             arrival=self.arrival,
@@ -77,6 +91,8 @@ class _Stream:
             context=self.context if self.started else 0,
             blocks=self.blocks,
             in_flight=self.in_flight,
+            k=k,
+            rollback=self.rollback if self.started else 0,
             ready_since=self.ready_since,
         )
 
@@ -92,11 +108,18 @@ class _Flight:
 class Batcher:
     """Many streams' steps per stage step; the same ``async_generate`` as :class:`Scheduler`."""
 
-    def __init__(self, pipeline: Pipeline, max_streams: int = MAX_PARTS, queue_limit: int = QUEUE_LIMIT) -> None:
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        max_streams: int = MAX_PARTS,
+        queue_limit: int = QUEUE_LIMIT,
+        spec: SpecConfig | None = None,
+    ) -> None:
         self.pipeline = pipeline
         self.max_streams = max(1, min(max_streams, MAX_PARTS))
         self.queue_limit = queue_limit
-        self.speculator = None  # the status pages ask; speculation does not batch yet
+        self.drafter = BatchDrafter(spec) if spec is not None else None
+        self.speculator = None  # the per-stream path's (its K policy does not apply to batches)
         self.recover: Callable[[Pipeline], Awaitable[None]] | None = None
         self.tokens_out = 0
         self.replays = 0  # streams recomputed after a failover, a failed part or a preemption
@@ -156,6 +179,7 @@ class Batcher:
         self._admit(req)
         s = _Stream(self.pipeline.new_stream(), req, next(self._arrivals), list(req.prompt))
         s.ready_since = next(self._ticks)
+        s.drafts = self.drafter.open(req) if self.drafter is not None else None
         self._streams[s.name] = s
         self._ensure_pump()
         self._poke()
@@ -219,6 +243,8 @@ class Batcher:
         if s.done:
             return
         s.done = True
+        if s.drafts is not None and self.drafter is not None:
+            self.drafter.close(s.drafts)
         self._streams.pop(s.name, None)
         self._finished.append(asyncio.get_running_loop().time())
         if s.in_flight is not None:
@@ -268,7 +294,8 @@ class Batcher:
                 in_flight=len(self._flights),
                 max_streams=self.max_streams,
             )
-            plan = next_batch(SchedState(ring, tuple(s.state() for s in self._streams.values())))
+            states = (s.state() for s in self._streams.values())
+            plan = next_batch(SchedState(ring, tuple(st for st in states if st is not None)))
             if plan is None:
                 return
             self._apply(plan)
@@ -294,8 +321,15 @@ class Batcher:
             else:
                 seq = next(self._seqs)
             part = Part(pp.stream, seq, pp.n, pp.start, pp.rollback, pp.logits, s.req.sampling)
-            ids += s.tokens[s.context : s.context + pp.n]
-            s.context += pp.n
+            at = s.kept
+            rows = s.tokens[at : at + pp.n]
+            s.sent_drafts = []
+            if pp.drafts and s.drafts is not None:  # a verify: its last token, then its drafts
+                s.sent_drafts = s.drafts.proposal[: pp.drafts]
+                rows = rows[:1] + s.sent_drafts
+                s.drafts.proposal = []
+            ids += rows
+            s.context, s.rollback = at + pp.n, 0
             s.blocks = pp.blocks
             s.part = part
             parts.append(part)
@@ -313,6 +347,9 @@ class Batcher:
         if close and s.started:
             self.pipeline.close_stream_nowait(s.name)
         s.started, s.context, s.blocks, s.in_flight, s.part = False, 0, 0, None, None
+        s.rollback, s.sent_drafts = 0, []
+        if s.drafts is not None:
+            s.drafts.proposal = []
         s.ready_since = next(self._ticks)
         self.replays += 1
 
@@ -334,11 +371,24 @@ class Batcher:
             if part is None or not part.logits:
                 continue
             toks = got.get(s.name)
-            if toks is None:  # its part failed on a stage; the error says why (or comes later)
+            if toks is None or len(toks) != part.logits:  # its part failed on a stage (the error says why)
                 self._failed(s, PipelineError("a stage dropped its part", "part_failed"))
                 continue
-            self._deliver(s, toks)
+            self._deliver(s, self._confirmed(s, toks))
+            if not s.done and s.drafts is not None and self.drafter is not None:
+                self.drafter.start(s.drafts, s.tokens, s.req.max_tokens - s.emitted, self._poke)
         self._poke()
+
+    def _confirmed(self, s: _Stream, toks: tuple[int, ...]) -> tuple[int, ...]:
+        """A part's new tokens: the drafts the target agrees with and its own next one; the
+        rejected drafts' positions become the next part's rollback."""
+        sent, s.sent_drafts = s.sent_drafts, []
+        if not sent:
+            return toks[-1:]
+        assert s.drafts is not None and self.drafter is not None
+        a = self.drafter.verdict(s.drafts, sent, toks)
+        s.rollback = len(sent) - a
+        return toks[: a + 1]
 
     def _deliver(self, s: _Stream, toks: tuple[int, ...]) -> None:
         for tok in toks:
@@ -415,6 +465,8 @@ class Batcher:
         for t in (self._pump, self._recovery):
             if t is not None:
                 t.cancel()
+        if self.drafter is not None:
+            self.drafter.shutdown()
         for s in list(self._streams.values()):
             s.out.put_nowait(PipelineError("the coordinator is shutting down", "shutdown"))
         with contextlib.suppress(RuntimeError):

@@ -95,12 +95,10 @@ class Coordinator:
 
     async def _async_scheduler(self, pipeline: Pipeline) -> Scheduler | Batcher:
         """Continuous batching where every stage is paged (unless configured off); else one
-        stream per step, with speculation where a draft is configured."""
+        stream per step. Either speculates where a draft is configured."""
         cfg = self.cfg
         if cfg.batching and pipeline.capacity() is not None:
-            if cfg.draft:
-                log.warning("the stages are paged: requests are batched and decode plainly (no speculation yet)")
-            return Batcher(pipeline, cfg.batch_streams, cfg.batch_queue)
+            return Batcher(pipeline, cfg.batch_streams, cfg.batch_queue, await self._async_spec())
         return Scheduler(pipeline, cfg.max_streams, await self._async_spec(), ring_loop=cfg.ring_loop)
 
     async def _async_spec(self) -> SpecConfig | None:

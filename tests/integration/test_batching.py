@@ -24,6 +24,7 @@ from coordinator.batching.scheduler import GenRequest
 from coordinator.lab.local_cluster import LocalCluster
 from coordinator.ring.pipeline import PipelineError
 from coordinator.service.coordinator import Coordinator
+from coordinator.speculative.decoding import SpecCounters
 from tests.support.exact import exact_config
 from tests.support.wait import async_wait_until
 
@@ -114,6 +115,33 @@ def test_every_stream_gets_its_solo_tokens_batched_with_others_that_come_and_go(
         return all(s["kv_blocks_free"] == s["kv_blocks_total"] for s in stages_now)
 
     aio.run(async_wait_until(pools_full, timeout=10, what="every stage's KV blocks free again"))
+
+
+def test_speculative_streams_in_a_batch_give_the_plain_tokens(
+    ring2: LocalCluster, smollm2: Any, prompts: list[tuple[int, ...]]
+) -> None:
+    """6 streams batched on 2 paged stages with a draft model: each decode part verifies up to
+    K drafts (K+1 rows) beside the other streams' parts, rejected drafts are rolled back, and every
+    stream's tokens are those it gets decoding plainly in the same batch."""
+    counters = SpecCounters()
+    jobs = list(enumerate(prompts[:6]))
+
+    async def run(b: Batcher, k: int) -> list[list[int]]:
+        async def one(i: int, p: tuple[int, ...]) -> list[int]:
+            req = GenRequest(
+                p, max_tokens=TOKENS, sampling=_sampling(i), spec_k=k, spec_counters=counters if k else None
+            )
+            return [t async for t in b.async_generate(req)]
+
+        return list(await asyncio.gather(*[one(i, p) for i, p in jobs]))
+
+    async def both(b: Batcher) -> tuple[list[list[int]], list[list[int]]]:
+        assert b.drafter is not None
+        return await run(b, 0), await run(b, 4)
+
+    plain, spec = aio.run(_with_coordinator(smollm2, ring2.nodes, both, draft="smollm2-135m", draft_weights="int4"))
+    assert spec == plain
+    assert counters.rounds > 0 and 0 < counters.accepted < counters.proposed  # drafts kept and rolled back
 
 
 def test_a_pool_too_small_for_everyone_makes_streams_wait_and_each_still_gets_its_tokens(
