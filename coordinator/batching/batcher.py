@@ -151,6 +151,17 @@ class Batcher:
     def max_in_flight(self) -> int:
         return len(self.pipeline.placements)
 
+    def summary(self) -> dict[str, float | int]:
+        """What ``lakeshard status --json`` shows of the batching."""
+        return {
+            "streams": self.active,
+            "waiting": self.waiting,
+            "micro_batches": self.batches_sent,
+            "parts_per_batch": round(self.parts_sent / self.batches_sent, 2) if self.batches_sent else 0.0,
+            "recomputed": self.replays,
+            "tokens": self.tokens_out,
+        }
+
     def set_pipeline(self, pipeline: Pipeline) -> None:
         """A re-planned pipeline: every stream starts over on it from its tokens so far."""
         if pipeline is self.pipeline:

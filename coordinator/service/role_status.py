@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 from agent.protocol.cluster_view import ClusterView, NodeInfo
 from coordinator.api.limits import Limits
+from coordinator.batching.batcher import Batcher
 from coordinator.planning.planner import Plan
 from coordinator.service.coordinator import Coordinator
 from coordinator.service.preparing import Preparer
@@ -115,6 +116,7 @@ def status(role: Seen) -> dict[str, Any]:
         "recoveries": list(c.recoveries) if c is not None else [],
         "replans": list(c.replans) if c is not None else [],
         "speculation": _speculation(c),
+        "batching": c.scheduler.summary() if c is not None and isinstance(c.scheduler, Batcher) else None,
         "adopted": role.adopted,
         "needed_exports": role.needed_exports(),
         "exported": c.exported if c is not None else 0,
@@ -125,7 +127,10 @@ def status(role: Seen) -> dict[str, Any]:
 
 def _speculation(c: Coordinator | None) -> dict[str, Any] | None:
     """Every answer's speculation so far (None: this coordinator has no draft)."""
-    spec = c.scheduler.speculator if c is not None and c.scheduler is not None else None
+    sched = c.scheduler if c is not None else None
+    if isinstance(sched, Batcher):
+        return sched.drafter.counters.summary() if sched.drafter is not None else None
+    spec = sched.speculator if sched is not None else None
     if spec is None:
         return None
     return {**spec.counters.summary(), "declined": spec.counters.declined}
