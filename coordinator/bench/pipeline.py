@@ -84,12 +84,14 @@ def _prompt(model: LocalModel, export_dir: Path, length: int) -> list[int]:
     return synthetic_ids(length)
 
 
-class Mono:
-    """A monolithic reference process pinned to ``cores``: it loads once, then runs on request."""
+class Pinned:
+    """A worker process (``python -m MODULE JOB_JSON``) pinned to ``cores`` with ``taskset``, so
+    OpenVINO's CPU plugin sees only those: it loads, answers one JSON line when ready, then one
+    JSON line for each it is sent."""
 
-    def __init__(self, export_dir: Path, cores: list[int], prompt: list[int], device: str = "CPU") -> None:
-        job = {"export_dir": str(export_dir), "threads": len(cores), "prompt": prompt, "device": device}
-        cmd = ["taskset", "-c", ",".join(map(str, cores)), sys.executable, "-m", "coordinator.bench.mono_worker"]
+    def __init__(self, module: str, job: dict[str, Any], cores: list[int], what: str = "worker") -> None:
+        self.what = what
+        cmd = ["taskset", "-c", ",".join(map(str, cores)), sys.executable, "-m", module]
         self._err = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
             [*cmd, json.dumps(job)],
@@ -99,28 +101,25 @@ class Mono:
             text=True,
             env={**os.environ, "PYTHONWARNINGS": "ignore"},
         )
-        self._reply()  # {"ready": true}
+        self.ready = self.reply()
 
-    def _reply(self) -> dict[str, Any]:
+    def reply(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
             self._err.seek(0)
             tail = self._err.read().decode(errors="replace").strip().splitlines()[-1:]
-            raise BenchError(f"monolithic run failed: {tail}")
+            raise BenchError(f"{self.what} failed: {tail}")
         return dict(json.loads(line))
 
-    def start(self, tokens: int) -> None:
+    def send(self, msg: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"tokens": tokens}) + "\n")
+        self.proc.stdin.write(json.dumps(msg) + "\n")
         self.proc.stdin.flush()
 
-    def result(self) -> float:
-        return float(self._reply()["tok_s"])
-
-    def run(self, tokens: int) -> float:
-        self.start(tokens)
-        return self.result()
+    def ask(self, msg: dict[str, Any]) -> dict[str, Any]:
+        self.send(msg)
+        return self.reply()
 
     def close(self) -> None:
         if self.proc.stdin is not None:
@@ -131,6 +130,24 @@ class Mono:
             self.proc.kill()
             self.proc.wait()
         self._err.close()
+
+
+class Mono(Pinned):
+    """A monolithic reference process pinned to ``cores``: it loads once, then runs on request."""
+
+    def __init__(self, export_dir: Path, cores: list[int], prompt: list[int], device: str = "CPU") -> None:
+        job = {"export_dir": str(export_dir), "threads": len(cores), "prompt": prompt, "device": device}
+        super().__init__("coordinator.bench.mono_worker", job, cores, "monolithic run")
+
+    def start(self, tokens: int) -> None:
+        self.send({"tokens": tokens})
+
+    def result(self) -> float:
+        return float(self.reply()["tok_s"])
+
+    def run(self, tokens: int) -> float:
+        self.start(tokens)
+        return self.result()
 
 
 def _together(monos: list[Mono], tokens: int, runs: int) -> tuple[float, float]:
@@ -217,19 +234,30 @@ def prepare(args: argparse.Namespace) -> Setup:
     spec = REGISTRY.get(args.model)
     weights = args.weights or (spec.default_weights if spec else "int4")
     opts = ExportOptions(weights=weights)
-    stages, c = _ints(args.stages), args.cores_per_node
-    avail = sorted(os.sched_getaffinity(0))
-    if max(stages) * c > len(avail):
-        raise BenchError(f"{max(stages)} nodes x {c} cores need {max(stages) * c} cores; this machine has {len(avail)}")
-    node_cores = [avail[i * c : (i + 1) * c] for i in range(max(stages))]
+    stages = _ints(args.stages)
+    node_cores = split_cores(max(stages), args.cores_per_node)
     whole = export_model(model, [(0, model.num_layers)], opts, quiet=quiet)
     for s in stages:
         export_model(model, plan_ranges(model, s, None), opts, quiet=quiet)
-    spare = avail[max(stages) * c :]
+    _say(f"monolithic: whole model on cores {node_cores[0]}; coordinator on {pin_to_spare(node_cores) or 'any core'}")
+    return Setup(model, weights, opts, stages, node_cores, whole.dir)
+
+
+def split_cores(nodes: int, c: int) -> list[list[int]]:
+    """Each of ``nodes`` nodes' ``c`` cores, from this process's own."""
+    avail = sorted(os.sched_getaffinity(0))
+    if nodes * c > len(avail):
+        raise BenchError(f"{nodes} nodes x {c} cores need {nodes * c} cores; this machine has {len(avail)}")
+    return [avail[i * c : (i + 1) * c] for i in range(nodes)]
+
+
+def pin_to_spare(node_cores: list[list[int]]) -> list[int]:
+    """Move this process (the coordinator) to the cores no node has, where there are any."""
+    taken = {x for cores in node_cores for x in cores}
+    spare = [x for x in sorted(os.sched_getaffinity(0)) if x not in taken]
     if spare:
         os.sched_setaffinity(0, spare)
-    _say(f"monolithic: whole model on cores {node_cores[0]}; coordinator on {spare or 'any core'}")
-    return Setup(model, weights, opts, stages, node_cores, whole.dir)
+    return spare
 
 
 def bench_devices(args: argparse.Namespace) -> list[str]:

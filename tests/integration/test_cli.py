@@ -34,6 +34,8 @@ from tests.support.cli import run_cli
         (["bench", "prefill", "--stages", "2", "--cores-per-node", "64"], "2 nodes x 64 cores need 128 cores"),
         (["bench", "pipeline", "--spin-ms=50,-1"], "--spin-ms: no negative values"),
         (["bench", "pipeline", "--head-help=auto,maybe"], "--head-help: auto, on or off"),
+        (["bench", "batching", "--users", "0,2"], "--users: one or more positive numbers"),
+        (["bench", "batching", "--users", "two"], "--users: one or more positive numbers"),
         (["serve", "--nodes", "127.0.0.1:7700", "--spec-k", "3"], "--spec-k needs --draft"),
         (["serve", "--nodes", "127.0.0.1:7700", "--draft", "lookup", "--spec-k", "many"], "expected auto or a number"),
         (["serve", "--nodes", "127.0.0.1:7700", "--link-mbps", "-5"], "--link-mbps must not be negative"),
