@@ -10,6 +10,13 @@ stage turns into tokens: 0 for a prefill chunk that is not the prompt's end, 1 f
 step, K+1 for a speculative verify). The last stage answers the coordinator with one
 :class:`BatchIds`, the tokens of every part that asked for some.
 
+Prefix caching: a starting part may name ``fork``, a stream of the same stages whose first
+``fork_len`` positions (a prompt head both share) it takes over as they are, without computing
+them; its rows then continue at position ``fork_len``. ``fork_len`` must be a multiple of every
+stage's KV block size (``Assigned.block_tokens``), as only whole blocks are shared. The
+``fork`` and ``fork_len`` columns are written only when some part forks, so frames without
+forks are byte for byte what they were.
+
 The header is columnar (one list per field, a list entry per part): header maps are bounded
 to 64 keys, lists are not (up to the frame's token cap). Stages own their KV blocks, so no
 frame carries block indices. A part a stage refuses (another connection's stream, an unknown
@@ -37,6 +44,7 @@ from agent.protocol.codec import (
 from agent.protocol.data import SamplingSpec
 
 MAX_PARTS = 256  # streams in one micro-batch (a stage's streams are bounded by the same number)
+MAX_FORK_LEN = 1 << 20  # positions a fork may share (a stage checks them against its source's length)
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,8 @@ class Part:
     rollback: int = 0
     logits: int = 0  # of its last positions, how many become tokens (0: none, a prefill chunk)
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
+    fork: str | None = None  # (with start) the stream whose first fork_len positions it shares
+    fork_len: int = 0  # positions shared: a multiple of the stages' block size; 0 without fork
 
 
 def _column(h: dict[str, Any], name: str, count: int, default: Any = None) -> list[Any]:
@@ -107,7 +117,13 @@ class Batch(Message):
             "rollback": [p.rollback for p in ps],
             "logits": [p.logits for p in ps],
             "sampling": [p.sampling.to_list() for p in ps],
+            **self._fork_columns(),
         }
+
+    def _fork_columns(self) -> dict[str, list[Any]]:
+        if all(p.fork is None for p in self.parts):
+            return {}
+        return {"fork": [p.fork for p in self.parts], "fork_len": [p.fork_len for p in self.parts]}
 
     @classmethod
     def parse(cls, h: dict[str, Any]) -> Batch:
@@ -124,6 +140,8 @@ class Batch(Message):
         rollbacks = _column(h, "rollback", count, 0)
         logits = _column(h, "logits", count, 0)
         sampling = _column(h, "sampling", count, [0.0, 1.0, 0])
+        forks = _column(h, "fork", count, None) if h.get("fork") is not None else [None] * count
+        fork_lens = _column(h, "fork_len", count, 0)
         parts, seen, total = [], set(), 0
         for i in range(count):
             stream = str_field(streams[i], "stream", 128)
@@ -133,17 +151,19 @@ class Batch(Message):
             n = int_field(ns[i], "n", 1, MAX_TOKENS_PER_FRAME)
             k = int_field(logits[i], "logits", 0, n)
             total += n
-            parts.append(
-                Part(
-                    stream=stream,
-                    seq=int_field(seqs[i], "seq"),
-                    n=n,
-                    start=_bool(starts[i], "start"),
-                    rollback=int_field(rollbacks[i], "rollback", 0, 1 << 20),
-                    logits=k,
-                    sampling=SamplingSpec.from_list(sampling[i]),
-                )
+            part = Part(
+                stream=stream,
+                seq=int_field(seqs[i], "seq"),
+                n=n,
+                start=_bool(starts[i], "start"),
+                rollback=int_field(rollbacks[i], "rollback", 0, 1 << 20),
+                logits=k,
+                sampling=SamplingSpec.from_list(sampling[i]),
+                fork=None if forks[i] is None else str_field(forks[i], "fork", 128),
+                fork_len=int_field(fork_lens[i], "fork_len", 0, MAX_FORK_LEN),
             )
+            _check_fork(part)
+            parts.append(part)
         if total > MAX_TOKENS_PER_FRAME:
             raise ProtocolError("bad_batch", f"{total} rows in one micro-batch; at most {MAX_TOKENS_PER_FRAME}")
         return Batch(
@@ -154,6 +174,18 @@ class Batch(Message):
             sent_at=float_field(h.get("sent_at", 0.0), "sent_at", 0.0, 1e12),
             busy_ms=float_field(h.get("busy_ms", 0.0), "busy_ms", 0.0, 1e7),
         )
+
+
+def _check_fork(p: Part) -> None:
+    """A fork names another stream and shares some of its positions, and only a start forks."""
+    if (p.fork is None) != (p.fork_len == 0):
+        raise ProtocolError("bad_batch", f"part {p.stream!r}: fork and fork_len come together (fork_len 0 iff no fork)")
+    if p.fork is None:
+        return
+    if p.fork == p.stream:
+        raise ProtocolError("bad_batch", f"stream {p.stream!r} cannot fork itself", p.stream)
+    if not p.start or p.rollback:
+        raise ProtocolError("bad_batch", f"part {p.stream!r}: only a starting part (no rollback) forks", p.stream)
 
 
 def batch_rows(msg: Batch, payload: memoryview, width: int) -> np.ndarray:

@@ -6,6 +6,15 @@ block ``table[t // block_size]`` at slot ``t % block_size``. A stream grows a bl
 gives its trailing whole blocks back when rolled back (speculative tokens rejected), and all of
 them when closed. Nothing here touches OpenVINO, so the bookkeeping is tested by tables.
 
+Blocks are reference-counted, so streams can share a prompt head (prefix caching):
+:meth:`BlockPool.fork` opens a stream whose table starts with another stream's first whole
+blocks, computed once. A block is free again only when its last holder closes or rolls back
+past it. The invariant that keeps shared KV intact: a stream writes only into blocks it holds
+alone. Forks share whole (full) blocks only, so a stream's next position always lies in a
+block of its own, or at a block boundary; the one call that could break this, a rollback that
+leaves a stream ending inside a shared block, is refused (:meth:`BlockPool.check_rollback`),
+and :meth:`BlockPool.reserve` checks it again before any write.
+
 :func:`layout` turns one step's entries (stream, new token count, wanted logits) into the
 inputs PagedAttention takes, in OpenVINO GenAI's convention:
 
@@ -48,6 +57,7 @@ class BlockPool:
 
     Free blocks are handed out lowest index first, so the same sequence of calls always gives
     the same tables (block ids change no output, but reproducible tables make failures readable).
+    Each block counts the streams whose tables hold it; the free list holds those of count 0.
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -55,12 +65,18 @@ class BlockPool:
             raise PoolError(f"a pool needs at least one block of at least one token, not {num_blocks} x {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self._free = list(range(num_blocks))  # a heap
+        self._refs = [0] * num_blocks
         self._tables: dict[int, list[int]] = {}
         self._lengths: dict[int, int] = {}
 
     @property
     def free_blocks(self) -> int:
+        """Blocks no stream holds."""
         return len(self._free)
+
+    def refs(self, block: int) -> int:
+        """How many streams hold ``block``."""
+        return self._refs[block]
 
     @property
     def streams(self) -> list[int]:
@@ -74,6 +90,34 @@ class BlockPool:
         if stream in self._tables:
             raise PoolError(f"stream {stream} is already open")
         self._tables[stream], self._lengths[stream] = [], 0
+
+    def fork(self, src: int, dst: int, tokens: int) -> None:
+        """Open ``dst`` sharing ``src``'s first ``tokens`` positions: its table starts with the
+        blocks that hold them (each now held once more), its length is ``tokens``. ``tokens``
+        must be a multiple of the block size (only whole blocks are shared) and at most
+        ``src``'s length; ``dst``'s own tokens then start in a block of its own."""
+        length = self._lengths[self._known(src)]
+        if dst in self._tables:
+            raise PoolError(f"stream {dst} is already open")
+        if tokens < 0 or tokens % self.block_size or tokens > length:
+            raise PoolError(
+                f"stream {dst} cannot share {tokens} positions of stream {src}'s {length}: "
+                f"a fork shares whole blocks of {self.block_size} tokens that the stream holds"
+            )
+        head = self._tables[src][: tokens // self.block_size]
+        for block in head:
+            self._refs[block] += 1
+        self._tables[dst], self._lengths[dst] = list(head), tokens
+
+    def shared(self, stream: int) -> int:
+        """How many of the stream's blocks another stream holds too."""
+        return sum(self._refs[b] > 1 for b in self._tables[self._known(stream)])
+
+    def released(self, stream: int, keep: int) -> int:
+        """Blocks that would be free again if the stream kept only its first ``keep`` tokens
+        (0: if it closed): those past them that no other stream holds."""
+        table = self._tables[self._known(stream)]
+        return sum(self._refs[b] == 1 for b in table[blocks_for(keep, self.block_size) :])
 
     def length(self, stream: int) -> int:
         return self._lengths[self._known(stream)]
@@ -107,13 +151,24 @@ class BlockPool:
             if n < 0:
                 raise PoolError(f"stream {stream}: a negative token count ({n})")
             seen.add(stream)
+            self._check_private_tail(stream)
         need = self.needed(growth)
         if need > len(self._free):
             raise PoolExhausted(need, len(self._free))
         for stream, n in growth:
             table = self._tables[stream]
             while len(table) < blocks_for(self._lengths[stream] + n, self.block_size):
-                table.append(heapq.heappop(self._free))
+                block = heapq.heappop(self._free)
+                self._refs[block] = 1
+                table.append(block)
+
+    def _check_private_tail(self, stream: int) -> None:
+        """The invariant: every block the stream may write into (the one holding its next
+        position, and on) is its alone."""
+        table = self._tables[self._known(stream)]
+        for block in table[self._lengths[stream] // self.block_size :]:
+            if self._refs[block] != 1:
+                raise PoolError(f"stream {stream} would write into block {block}, which another stream shares")
 
     def commit(self, stream: int, n: int) -> None:
         """Record that ``n`` tokens were written after the stream's current length."""
@@ -122,23 +177,38 @@ class BlockPool:
             raise PoolError(f"stream {stream}: {n} tokens were never reserved")
         self._lengths[stream] = length
 
-    def rollback(self, stream: int, r: int) -> None:
-        """Forget the stream's last ``r`` tokens; blocks left wholly unused go back to the pool."""
+    def check_rollback(self, stream: int, r: int) -> None:
+        """PoolError unless the stream can forget its last ``r`` tokens: at most its length, and
+        not ending inside a block another stream shares (its next token would be written there;
+        rolling back to a block boundary, or past shared blocks, only lets go of them)."""
         length = self._lengths[self._known(stream)]
         if r < 0 or r > length:
             raise PoolError(f"cannot roll back {r} tokens of stream {stream}'s {length}")
-        self._lengths[stream] = length - r
+        left = length - r
+        if left % self.block_size and self._refs[self._tables[stream][left // self.block_size]] > 1:
+            raise PoolError(
+                f"cannot roll back stream {stream} to {left} tokens: that ends inside a block another stream "
+                f"shares (a shared head can be let go of only to a multiple of {self.block_size} tokens)"
+            )
+
+    def rollback(self, stream: int, r: int) -> None:
+        """Forget the stream's last ``r`` tokens; blocks it leaves wholly unused are let go of
+        (free again unless another stream holds them). See :meth:`check_rollback`."""
+        self.check_rollback(stream, r)
+        self._lengths[stream] -= r
         self._trim(stream)
 
     def _trim(self, stream: int) -> None:
         table = self._tables[stream]
         keep = blocks_for(self._lengths[stream], self.block_size)
         for block in table[keep:]:
-            heapq.heappush(self._free, block)
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                heapq.heappush(self._free, block)
         del table[keep:]
 
     def close(self, stream: int) -> None:
-        """End a stream: every block it held is free again."""
+        """End a stream: it lets go of every block it held (free again unless shared)."""
         self._lengths[self._known(stream)] = 0
         self._trim(stream)
         del self._tables[stream], self._lengths[stream]

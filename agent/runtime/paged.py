@@ -218,12 +218,20 @@ class PagedStage:
         with self._lock:
             self.pool.open(stream)
 
+    def fork_stream(self, src: int, dst: int, tokens: int) -> None:
+        """Open ``dst`` on ``src``'s first ``tokens`` positions (a multiple of
+        :attr:`block_size`, at most ``src``'s length): it shares those KV blocks as they are (no
+        copy, no compute) and its own tokens start at position ``tokens``. PoolError otherwise."""
+        with self._lock:
+            self.pool.fork(src, dst, tokens)
+
     def close_stream(self, stream: int) -> None:
         with self._lock:
             self.pool.close(stream)
 
     def rollback(self, stream: int, r: int) -> None:
-        """Forget the stream's last ``r`` tokens (rejected speculation); frees whole blocks."""
+        """Forget the stream's last ``r`` tokens (rejected speculation); frees whole blocks
+        (PoolError, nothing changed, if that would end it inside a block another stream shares)."""
         with self._lock:
             self.pool.rollback(stream, r)
 

@@ -9,7 +9,8 @@ stage's ``Fwd.auto`` steps, a connection opened with ``X-Lakeshard-Link: loop``)
 continue an owned stream that its owner put on ``auto``, one step at a time, with the next
 ``seq`` and one ``auto`` less than the step before (so it can neither start, rewind nor
 prolong a stream). A micro-batch's parts are admitted one by one, each as a Fwd of its
-stream (:meth:`Owners.admit_part`). When a connection closes, the streams it owns are closed too (their
+stream (:meth:`Owners.admit_part`); a part that forks another stream (shares its KV head) must
+own that stream too. When a connection closes, the streams it owns are closed too (their
 KV state freed along the ring), so a peer cannot fill a stage with streams and leave.
 Everything is checked on the event loop when a frame arrives, before it is queued for the
 compute thread; the table is bounded.
@@ -65,6 +66,14 @@ class Owners:
                 part.stream,
                 part.seq,
             )
+        if part.fork is not None:  # its KV would be read: the source must be this connection's own
+            o = self._streams.get(part.fork)
+            if o is None:
+                raise ProtocolError(
+                    "unknown_stream", f"unknown stream {part.fork[:128]!r} to fork", part.stream, part.seq
+                )
+            if o.conn is not conn:
+                self._refuse(part.stream, part.seq, f"cannot fork {part.fork[:128]!r}, another connection's stream")
         self.admit(part.stream, part.seq, part.start, 0, conn, loop)
 
     def admit(self, stream: str, seq: int, start: bool, auto: int, conn: Conn, loop: bool) -> None:

@@ -14,6 +14,14 @@ A paged stage (:class:`~agent.runtime.paged.PagedStage`) serves both frame kinds
   need no new block, or that free some, always run, then the others in batch order while
   blocks last).
 
+A starting part that names ``fork`` opens its stream on the named stream's first ``fork_len``
+positions (prefix caching: those KV blocks are shared, not computed again) and its rows
+continue at ``fork_len``. The source is taken as it stands after its own rollback in this
+micro-batch and before any rows run; it must be a stream of this stage that does not start in
+this micro-batch (``unknown_stream`` when there is none by that name, ``bad_input`` when it
+starts here, or when ``fork_len`` is not a multiple of the block size or over its length). A
+rollback that would end a stream inside a block another stream shares is ``bad_input`` too.
+
 The next hop gets one ``Batch`` of the parts that ran (their hidden rows, in the wire's dtype);
 a last stage answers one ``BatchIds`` with the tokens of every part that asked for some,
 chosen exactly as the stateful path chooses them (argmax, or seeded sampling at the token's
@@ -72,15 +80,19 @@ class PagedWorker:
         return len(self.ids)
 
     # -- streams -----------------------------------------------------------------------------
-    def _open(self, name: str) -> int:
-        """A fresh stream called ``name`` (a running one of that name starts over)."""
+    def _open(self, name: str, fork: tuple[int, int] | None = None) -> int:
+        """A fresh stream called ``name`` (a running one of that name starts over); ``fork``:
+        (source id, positions) it starts with, shared with that stream."""
         old = self.ids.pop(name, None)
         if old is not None:
             self.stage.close_stream(old)
         elif len(self.ids) >= self.max_streams:
             raise ProtocolError("too_many_streams", f"this stage holds {self.max_streams} streams already")
         self._next += 1
-        self.stage.open_stream(self._next)
+        if fork is None:
+            self.stage.open_stream(self._next)
+        else:
+            self.stage.fork_stream(fork[0], self._next, fork[1])
         self.ids[name] = self._next
         return self._next
 
@@ -149,13 +161,7 @@ class PagedWorker:
         cands = self._fit(cands, out.failed)
         if not cands:
             return out
-        entries = []
-        for c in cands:  # the starts and rollbacks of the parts that run, then the step
-            p = c.part
-            sid = self._open(p.stream) if p.start else self.ids[p.stream]
-            if p.rollback:
-                stage.rollback(sid, p.rollback)
-            entries.append(Entry(sid, c.x, p.logits if stage.last else 0))
+        entries = self._prepare(cands)
         t0 = time.perf_counter()
         try:
             res = stage.step(entries)
@@ -175,6 +181,23 @@ class PagedWorker:
             out.frame = encode(self._answer(msg, cands, entries, res, busy_ms))
         return out
 
+    def _prepare(self, cands: list[_Cand]) -> list[Entry]:
+        """The starts and rollbacks of the parts that run, then their forks (each source as it
+        stands after its own rollback), and the step's entries in batch order."""
+        stage = self.stage
+        sids: dict[str, int] = {}
+        for c in cands:
+            p = c.part
+            if p.fork is None:
+                sids[p.stream] = self._open(p.stream) if p.start else self.ids[p.stream]
+                if p.rollback:
+                    stage.rollback(sids[p.stream], p.rollback)
+        for c in cands:
+            p = c.part
+            if p.fork is not None:
+                sids[p.stream] = self._open(p.stream, (self.ids[p.fork], p.fork_len))
+        return [Entry(sids[c.part.stream], c.x, c.part.logits if stage.last else 0) for c in cands]
+
     def _check(
         self,
         msg: Batch,
@@ -183,24 +206,21 @@ class PagedWorker:
         spans: list[tuple[int, int]],
         failed: list[ProtocolError],
     ) -> list[_Cand]:
-        """The parts that pass their own checks (stream, rollback, rows, the step's budget)."""
+        """The parts that pass their own checks (stream, rollback, fork, rows, the step's budget)."""
         stage = self.stage
         budget, used, new = stage.max_step_tokens, 0, 0
+        parts = [msg.parts[i] for i in keep]
+        starting = {p.stream for p in parts if p.start}
+        rollbacks = {p.stream: p.rollback for p in parts if not p.start}
         out = []
         for i in keep:
             p = msg.parts[i]
             a, b = spans[i]
             x = rows[a:b].astype(np.int64 if stage.first else np.float32)
             try:
-                if p.start:
-                    if p.stream not in self.ids and len(self.ids) + new >= self.max_streams:
-                        raise ProtocolError("too_many_streams", f"this stage holds {self.max_streams} streams already")
-                    base = 0
-                else:
-                    length = stage.length(self._known(p.stream))
-                    if p.rollback > length:
-                        raise ProtocolError("bad_input", f"cannot roll back {p.rollback} tokens of {length}")
-                    base = length - p.rollback
+                if p.start and p.stream not in self.ids and len(self.ids) + new >= self.max_streams:
+                    raise ProtocolError("too_many_streams", f"this stage holds {self.max_streams} streams already")
+                base = self._base(p, starting, rollbacks)
                 try:
                     stage.check(Entry(0, x, p.logits if stage.last else 0))
                 except StageError as e:
@@ -217,14 +237,56 @@ class PagedWorker:
             out.append(_Cand(p, x, base))
         return out
 
+    def _base(self, p: Part, starting: set[str], rollbacks: dict[str, int]) -> int:
+        """The part's stream length before its rows (0 for a start, ``fork_len`` for a fork,
+        the length less its rollback otherwise); ProtocolError when it cannot be had."""
+        stage = self.stage
+        if p.start and p.rollback:
+            raise ProtocolError("bad_input", "a starting part cannot roll back")
+        if p.fork is not None:
+            src = self.ids.get(p.fork)
+            if src is None:
+                raise ProtocolError("unknown_stream", f"unknown stream {p.fork!r} to fork (it must run here first)")
+            if p.fork in starting:
+                raise ProtocolError(
+                    "bad_input", f"stream {p.fork!r} starts in this micro-batch: fork it in a later one"
+                )
+            bs, have = stage.block_size, stage.length(src) - rollbacks.get(p.fork, 0)
+            if p.fork_len % bs or p.fork_len > have:
+                raise ProtocolError(
+                    "bad_input",
+                    f"cannot share {p.fork_len} positions of stream {p.fork!r}: it holds {have}, and a fork "
+                    f"shares whole KV blocks of {bs} tokens",
+                )
+            return p.fork_len
+        if p.start:
+            return 0
+        sid = self._known(p.stream)
+        length = stage.length(sid)
+        if p.rollback > length:
+            raise ProtocolError("bad_input", f"cannot roll back {p.rollback} tokens of {length}")
+        try:
+            stage.pool.check_rollback(sid, p.rollback)
+        except PoolError:
+            raise ProtocolError(
+                "bad_input",
+                f"cannot roll back {p.rollback} tokens of {length}: the stream would end inside a KV block "
+                f"another stream shares (roll back to a multiple of {stage.block_size} tokens)",
+            ) from None
+        return length - p.rollback
+
     def _fit(self, cands: list[_Cand], failed: list[ProtocolError]) -> list[_Cand]:
         """The parts the pool has blocks for: those that take none run (giving back what their
-        start or rollback frees), then the others in order while free blocks last."""
+        start or rollback frees), then the others in order while free blocks last. A block
+        another stream holds too is never counted as freed, a forked head never as new."""
         pool = self.stage.pool
+        bs = pool.block_size
         for c in cands:
-            sid = self.ids.get(c.part.stream)
-            held = len(pool.table(sid)) if sid is not None else 0
-            c.delta = blocks_for(c.base + c.part.n, pool.block_size) - held
+            p = c.part
+            sid = self.ids.get(p.stream)
+            kept = p.fork_len // bs if p.start else blocks_for(c.base, bs)
+            freed = 0 if sid is None else pool.released(sid, 0 if p.start else c.base)
+            c.delta = blocks_for(c.base + p.n, bs) - kept - freed
         free = pool.free_blocks - sum(c.delta for c in cands if c.delta <= 0)
         ok = []
         for c in cands:

@@ -35,6 +35,22 @@ def test_a_batch_round_trips_with_its_rows() -> None:
     assert isinstance(msg, Batch) and batch_rows(msg, payload, 8).shape == (10, 8)
 
 
+FORKS = (
+    Part("d", seq=0, n=3, start=True, logits=1, fork="a", fork_len=64),  # shares a's first 64 positions
+    Part("b", seq=8, n=1, logits=1),
+)
+
+
+def test_a_fork_round_trips_and_frames_without_forks_carry_no_fork_columns() -> None:
+    msg, _ = decode(encode(Batch(term=3, seq=12, dtype="i32", parts=FORKS), np.arange(4, dtype=np.int32)))
+    assert isinstance(msg, Batch) and msg.parts == FORKS
+    h = msg.header()
+    assert (h["fork"], h["fork_len"]) == (["a", None], [64, 0])
+    today = {"t", "term", "seq", "dtype", "sent_at", "busy_ms", "streams", "seqs", "n", "start", "rollback"}
+    today |= {"logits", "sampling"}
+    assert set(Batch(term=3, seq=12, dtype="i32", parts=PARTS).header()) == today  # no fork: frames as before
+
+
 def test_ids_round_trip_and_split_by_stream() -> None:
     ids = BatchIds(term=3, seq=11, streams=("b", "c"), counts=(1, 4), tokens=(9, 1, 2, 3, 4), busy_ms=2.5)
     back, _ = decode(encode(ids))
@@ -64,6 +80,30 @@ GOOD: dict[str, Any] = Batch(term=1, seq=0, dtype="i32", parts=PARTS).header()
 def test_inconsistent_batches_are_refused(change: dict[str, Any], match: str) -> None:
     with pytest.raises(ProtocolError, match=match):
         decode(_raw({**GOOD, **change}))
+
+
+FORKED: dict[str, Any] = Batch(term=1, seq=0, dtype="i32", parts=FORKS).header()
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"fork_len": [0, 0]}, "fork_len 0 iff no fork"),  # a fork sharing nothing
+        ({"fork": None}, "fork_len 0 iff no fork"),  # positions shared from no stream
+        ({"fork": [None, None]}, "fork_len 0 iff no fork"),
+        ({"fork": ["a", "a"], "fork_len": [64, 32]}, "only a starting part"),  # b does not start
+        ({"fork": ["d", None]}, "cannot fork itself"),
+        ({"rollback": [2, 0]}, "no rollback"),
+        ({"fork": ["a"]}, "one entry per part"),
+        ({"fork": [7, None]}, "fork must"),
+        ({"fork": ["x" * 200, None]}, "fork must"),
+        ({"fork_len": [-32, 0]}, "fork_len must"),
+        ({"fork_len": [1 << 21, 0]}, "fork_len must"),
+    ],
+)
+def test_inconsistent_forks_are_refused(change: dict[str, Any], match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        decode(_raw({**FORKED, **change}))
 
 
 def test_a_payload_that_does_not_match_the_rows_is_refused() -> None:

@@ -149,3 +149,171 @@ def test_layout_needs_the_blocks_reserved() -> None:
     pool.open(1)
     with pytest.raises(PoolError, match="not reserved"):
         layout(pool, [(1, 2, 1)])
+
+
+# -- shared prompt heads (prefix caching) ---------------------------------------------------------
+
+
+def forked() -> BlockPool:
+    """Stream 1 holds 10 tokens in blocks 0, 1, 2; stream 2 forked its first 8 (blocks 0 and 1)
+    and wrote 2 tokens of its own (block 3)."""
+    pool = BlockPool(8, 4)
+    pool.open(1)
+    grown(pool, 1, 10)
+    pool.fork(1, 2, 8)
+    assert (pool.table(2), pool.length(2)) == ([0, 1], 8)
+    grown(pool, 2, 2)
+    return pool
+
+
+def test_a_fork_shares_whole_blocks_and_writes_into_its_own() -> None:
+    pool = forked()
+    assert (pool.table(1), pool.table(2)) == ([0, 1, 2], [0, 1, 3])
+    assert [pool.refs(b) for b in range(5)] == [2, 2, 1, 1, 0]
+    assert pool.free_blocks == 4  # 4 blocks held, 2 of them by both
+    assert (pool.shared(1), pool.shared(2)) == (2, 2)
+    assert (pool.released(1, 0), pool.released(2, 0), pool.released(2, 4)) == (1, 1, 1)
+    pool.fork(2, 3, 4)  # a fork of a fork
+    assert pool.table(3) == [0] and pool.refs(0) == 3 and pool.free_blocks == 4
+    pool.fork(1, 4, 0)  # sharing nothing is opening
+    assert (pool.table(4), pool.length(4)) == ([], 0)
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "tokens", "match"),
+    [
+        (1, 3, 6, "cannot share 6 positions"),  # not whole blocks
+        (1, 3, 12, "cannot share 12 positions of stream 1's 10"),  # more than the stream holds
+        (1, 3, -4, "cannot share -4"),
+        (1, 2, 4, "already open"),
+        (9, 3, 4, "unknown stream 9"),
+    ],
+)
+def test_bad_forks_are_refused_and_change_nothing(src: int, dst: int, tokens: int, match: str) -> None:
+    pool = forked()
+    refs = [pool.refs(b) for b in range(8)]
+    with pytest.raises(PoolError, match=match):
+        pool.fork(src, dst, tokens)
+    assert [pool.refs(b) for b in range(8)] == refs and sorted(pool.streams) == [1, 2]
+
+
+@pytest.mark.parametrize("first", [1, 2])
+def test_blocks_come_back_when_their_last_holder_closes(first: int) -> None:
+    pool = forked()
+    pool.close(first)  # the shared blocks stay with the other stream
+    other = 3 - first
+    assert pool.free_blocks == 5 and [pool.refs(b) for b in (0, 1)] == [1, 1]
+    assert pool.shared(other) == 0 and pool.released(other, 0) == 3
+    grown(pool, other, 1)  # and it goes on in blocks of its own
+    pool.close(other)
+    assert pool.free_blocks == 8 and pool.streams == [] and not any(pool.refs(b) for b in range(8))
+
+
+@pytest.mark.parametrize(
+    ("stream", "r", "left", "free"),
+    [
+        (1, 2, 8, 5),  # the source lets go of its own third block
+        (1, 6, 4, 5),  # ...and of shared block 1 (stream 2 keeps it)
+        (1, 10, 0, 5),
+        (2, 2, 8, 5),  # the fork lets go of its own block
+        (2, 6, 4, 5),
+        (2, 10, 0, 5),
+        (1, 4, None, 4),  # to 6 tokens: it would end inside shared block 1, and write there next
+        (1, 9, None, 4),
+        (2, 3, None, 4),
+    ],
+)
+def test_rollback_lets_go_of_shared_blocks_but_never_ends_inside_one(
+    stream: int, r: int, left: int | None, free: int
+) -> None:
+    pool = forked()
+    length = pool.length(stream)
+    if left is None:
+        with pytest.raises(PoolError, match="inside a block another stream shares"):
+            pool.rollback(stream, r)
+        assert pool.length(stream) == length
+    else:
+        pool.rollback(stream, r)
+        assert pool.length(stream) == left
+        grown(pool, stream, 3)  # its next tokens go into blocks of its own
+        pool.rollback(stream, 3)
+    assert pool.free_blocks == free
+    pool.close(1)
+    pool.close(2)
+    assert pool.free_blocks == 8
+
+
+def test_exhaustion_counts_shared_blocks_once() -> None:
+    pool = BlockPool(4, 4)
+    pool.open(1)
+    grown(pool, 1, 8)
+    pool.fork(1, 2, 8)  # takes no block
+    assert pool.free_blocks == 2
+    with pytest.raises(PoolExhausted, match="needs 3 more block"):
+        pool.reserve([(2, 9)])
+    assert pool.table(2) == [0, 1] and pool.free_blocks == 2
+    pool.close(1)  # the source leaves: its blocks are stream 2's now, not free
+    assert pool.free_blocks == 2
+    grown(pool, 2, 8)
+    assert pool.free_blocks == 0 and pool.released(2, 0) == 4
+    pool.close(2)
+    assert pool.free_blocks == 4
+
+
+def test_random_forks_and_rollbacks_never_overwrite_what_another_stream_reads() -> None:
+    """A seeded walk of grows, forks, rollbacks and closes over a small pool, writing each
+    token's value into its block slot: every stream always reads back exactly its own tokens,
+    every write lands in a block no other stream holds, and the counts add up."""
+    rng = np.random.default_rng(7)
+    pool = BlockPool(12, 4)
+    memory: dict[int, dict[int, int]] = {b: {} for b in range(12)}
+    want: dict[int, list[int]] = {}
+    value = iter(range(1, 1 << 30))
+    for _ in range(3000):
+        streams = pool.streams
+        op = rng.integers(4) if streams else 0
+        s = int(rng.choice(streams)) if streams else 0
+        if op == 0 and len(streams) < 6:  # open, or fork a stream's head
+            new = max([*streams, 0]) + 1
+            if streams and rng.random() < 0.7:
+                tokens = 4 * int(rng.integers(0, pool.length(s) // 4 + 1))
+                pool.fork(s, new, tokens)
+                want[new] = want[s][:tokens]
+            else:
+                pool.open(new)
+                want[new] = []
+        elif op == 1:  # grow
+            n = int(rng.integers(1, 7))
+            try:
+                pool.reserve([(s, n)])
+            except PoolExhausted:
+                continue
+            table, at = pool.table(s), pool.length(s)
+            for pos in range(at, at + n):
+                block = table[pos // 4]
+                assert pool.refs(block) == 1, "a write into a shared block"
+                memory[block][pos % 4] = v = next(value)
+                want[s].append(v)
+            pool.commit(s, n)
+        elif op == 2:  # roll back
+            r = int(rng.integers(0, pool.length(s) + 1))
+            try:
+                pool.rollback(s, r)
+            except PoolError:
+                continue
+            del want[s][len(want[s]) - r :]
+        else:
+            pool.close(s)
+            del want[s]
+        held: dict[int, int] = {}
+        for t in pool.streams:
+            table = pool.table(t)
+            assert len(table) == blocks_for(pool.length(t), 4)
+            assert [memory[table[p // 4]][p % 4] for p in range(pool.length(t))] == want[t]
+            for b in table:
+                held[b] = held.get(b, 0) + 1
+        assert all(pool.refs(b) == held.get(b, 0) for b in range(12))
+        assert pool.free_blocks == 12 - len(held)
+    for t in pool.streams:
+        pool.close(t)
+    assert pool.free_blocks == 12
