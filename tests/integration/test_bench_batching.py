@@ -27,5 +27,4 @@ def test_bench_batching_reports_every_config_and_user_count(smollm2) -> None:  #
     assert out["runs"] == 1 and isinstance(out["outputs_identical"], bool)
     # our paged stages give each user the same tokens on one stage as on two
     assert out["mismatches"]["stage2_vs_stage1"] == []
-    assert out["batch_dependent"]["stage1"] == [] and out["batch_dependent"]["stage2"] == []
     report(f"bench batching (smollm2, 8 tokens): stage2 / genai {out['stage2_vs_genai']}")
