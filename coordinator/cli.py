@@ -89,6 +89,9 @@ def add_commands(commands: Commands) -> None:
         help="requests that wait for a place in the batch before the API answers 503 with Retry-After",
     )
     sv.add_argument("--no-batching", action="store_true", help="one stream per step even where the stages are paged")
+    sv.add_argument(
+        "--no-prefix-cache", action="store_true", help="batching: never keep prompt heads for later requests"
+    )
     sv.add_argument("--link-delay-ms", type=float, default=0.0, help="added one-way delay per hop (WAN stand-in)")
     sv.add_argument(
         "--link-mbps", type=float, default=0.0, help="line rate of every hop and stage download (WAN stand-in; 0: none)"
@@ -230,6 +233,7 @@ def _serve(args: argparse.Namespace) -> int:
         data_port=args.data_port,
         max_streams=args.streams,
         batching=not args.no_batching,
+        prefix_cache=not args.no_prefix_cache,
         batch_streams=args.batch_streams,
         batch_queue=max(0, args.batch_queue),
         link_delay_ms=args.link_delay_ms,

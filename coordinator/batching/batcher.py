@@ -24,11 +24,11 @@ import contextlib
 import itertools
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass, field
 
 from agent.protocol import BatchIds
 from agent.protocol.batch import MAX_PARTS, Part
-from coordinator.batching.drafts import BatchDrafter, Drafts
+from agent.runtime.blocks import blocks_for
+from coordinator.batching.drafts import BatchDrafter
 from coordinator.batching.microbatch import (
     JOIN,
     QUEUE,
@@ -37,11 +37,12 @@ from coordinator.batching.microbatch import (
     QueueState,
     RingState,
     SchedState,
-    StreamState,
     admit,
     next_batch,
 )
+from coordinator.batching.prefix import PrefixCache
 from coordinator.batching.scheduler import MAX_RECOVERIES, RECOVERABLE, GenRequest
+from coordinator.batching.streams import Flight, Stream
 from coordinator.ring.pipeline import Pipeline, PipelineError, RingCapacity
 from coordinator.speculative.decoding import SpecConfig
 
@@ -49,60 +50,6 @@ log = logging.getLogger(__name__)
 MAX_RESETS = 4  # times one stream is recomputed after its parts failed, before its request fails
 QUEUE_LIMIT = 64  # requests waiting for blocks or a stream slot before the API answers 503
 MAX_PLANS = 64  # micro-batches planned in one go (the policy stops far sooner)
-
-
-@dataclass
-class _Stream:
-    name: str  # its stream id on the ring
-    req: GenRequest
-    arrival: int
-    tokens: list[int]  # prompt and generated so far
-    out: asyncio.Queue[int | BaseException | None] = field(default_factory=asyncio.Queue)
-    emitted: int = 0
-    context: int = 0  # positions in the stages' caches once its part in flight lands
-    blocks: int = 0
-    started: bool = False
-    in_flight: int | None = None  # the micro-batch it rides in
-    part: Part | None = None  # its part in that micro-batch
-    first_seq: int = 0  # its parts from here on belong to its current start (older errors are stale)
-    rollback: int = 0  # positions of rejected drafts its next part drops first
-    drafts: Drafts | None = None  # speculating: its draft session and next proposal
-    sent_drafts: list[int] = field(default_factory=list)  # the drafts its part in flight verifies
-    ready_since: int = 0
-    resets: int = 0
-    done: bool = False
-
-    @property
-    def kept(self) -> int:
-        """Positions its stages keep once they drop its rejected drafts."""
-        return self.context - self.rollback
-
-    def state(self) -> StreamState | None:
-        """As the policy sees it; None while it drafts (it sits this micro-batch out)."""
-        if self.drafts is not None and self.drafts.busy and self.in_flight is None:
-            return None
-        pending = len(self.tokens) - self.kept
-        prefill = pending if (pending > 1 or not self.started) else 0
-        k = len(self.drafts.proposal) if self.drafts is not None and self.started and not prefill else 0
-        return StreamState(
-            stream=self.name,
-            arrival=self.arrival,
-            prefill=prefill,
-            context=self.context if self.started else 0,
-            blocks=self.blocks,
-            in_flight=self.in_flight,
-            k=k,
-            rollback=self.rollback if self.started else 0,
-            ready_since=self.ready_since,
-        )
-
-
-@dataclass
-class _Flight:
-    """A micro-batch out on the ring: the streams still waiting for its answer."""
-
-    streams: dict[str, _Stream]
-    fut: asyncio.Future[BatchIds]
 
 
 class Batcher:
@@ -114,7 +61,10 @@ class Batcher:
         max_streams: int = MAX_PARTS,
         queue_limit: int = QUEUE_LIMIT,
         spec: SpecConfig | None = None,
+        prefix_cache: bool = True,
     ) -> None:
+        self.use_prefix = prefix_cache
+        self.prefix: PrefixCache | None = None
         self.pipeline = pipeline
         self.max_streams = max(1, min(max_streams, MAX_PARTS))
         self.queue_limit = queue_limit
@@ -125,8 +75,8 @@ class Batcher:
         self.replays = 0  # streams recomputed after a failover, a failed part or a preemption
         self.batches_sent = 0
         self.parts_sent = 0
-        self._streams: dict[str, _Stream] = {}
-        self._flights: dict[int, _Flight] = {}
+        self._streams: dict[str, Stream] = {}
+        self._flights: dict[int, Flight] = {}
         self._arrivals = itertools.count()
         self._ticks = itertools.count(1)
         self._seqs = itertools.count(1)
@@ -160,6 +110,8 @@ class Batcher:
             "parts_per_batch": round(self.parts_sent / self.batches_sent, 2) if self.batches_sent else 0.0,
             "recomputed": self.replays,
             "tokens": self.tokens_out,
+            "prefix_hit_rate": round(self.prefix.hit_rate, 4) if self.prefix is not None else 0.0,
+            "prefix_entries": len(self.prefix.entries) if self.prefix is not None else 0,
         }
 
     def set_pipeline(self, pipeline: Pipeline) -> None:
@@ -177,7 +129,9 @@ class Batcher:
     def _attach(self, pipeline: Pipeline) -> None:
         self.pipeline = pipeline
         pipeline.on_stream_error = self._on_error
-        self._cap = pipeline.capacity()
+        self._cap = cap = pipeline.capacity()
+        # the old stages' entries went with their assignment; half of the pool may hold heads
+        self.prefix = PrefixCache(cap.block_size, cap.total_blocks // 2) if self.use_prefix and cap else None
 
     # -- requests -----------------------------------------------------------------------------------
     async def async_generate(self, req: GenRequest) -> AsyncGenerator[int, None]:
@@ -188,9 +142,11 @@ class Batcher:
         if req.max_tokens <= 0:
             return
         self._admit(req)
-        s = _Stream(self.pipeline.new_stream(), req, next(self._arrivals), list(req.prompt))
+        s = Stream(self.pipeline.new_stream(), req, next(self._arrivals), list(req.prompt))
         s.ready_since = next(self._ticks)
         s.drafts = self.drafter.open(req) if self.drafter is not None else None
+        if self.prefix is not None:
+            s.fork_from(self.prefix)
         self._streams[s.name] = s
         self._ensure_pump()
         self._poke()
@@ -247,10 +203,12 @@ class Batcher:
         return cap
 
     def _free(self, cap: RingCapacity) -> int:
-        return max(0, cap.total_blocks - sum(s.blocks for s in self._streams.values()))
+        held = sum(s.blocks - s.shared for s in self._streams.values())
+        return max(0, cap.total_blocks - held - (self.prefix.held_blocks if self.prefix is not None else 0))
 
-    def _finish(self, s: _Stream) -> None:
-        """The request is over (answered, failed, or its client left): its blocks go back."""
+    def _finish(self, s: Stream, keep: bool = False) -> None:
+        """The request is over (answered, failed, or its client left): its blocks go back, or,
+        when it was answered (``keep``), its whole blocks may stay as a cached prompt head."""
         if s.done:
             return
         s.done = True
@@ -265,7 +223,12 @@ class Batcher:
                 if not f.streams:
                     self._flights.pop(s.in_flight, None)
         if s.started:
-            self.pipeline.close_stream_nowait(s.name)
+            closes = [s.name]
+            if keep and self.prefix is not None and s.in_flight is None and not s.fork_pending:
+                closes = s.keep_in(self.prefix)
+            for name in closes:
+                self.pipeline.close_stream_nowait(name)
+        s.unfork(self.prefix)
         self._poke()
 
     # -- the pump -----------------------------------------------------------------------------------
@@ -307,9 +270,22 @@ class Batcher:
             )
             states = (s.state() for s in self._streams.values())
             plan = next_batch(SchedState(ring, tuple(st for st in states if st is not None)))
-            if plan is None:
+            if plan is not None:
+                self._apply(plan)
+            short = (plan is not None and plan.waiting) or self._short(cap)
+            gone = self.prefix.evict_one() if short and self.prefix is not None else None
+            if gone is not None:  # blocks are short: a cached head makes room
+                self.pipeline.close_stream_nowait(gone)
+            elif plan is None:
                 return
-            self._apply(plan)
+
+    def _short(self, cap: RingCapacity) -> bool:
+        """Whether the oldest request that has not started waits for blocks."""
+        new = [s for s in self._streams.values() if not s.started]
+        if not new:
+            return False
+        oldest = min(new, key=lambda s: s.arrival)
+        return blocks_for(len(oldest.tokens) + 1, cap.block_size) > self._free(cap)
 
     def _apply(self, plan: Plan) -> None:
         for name in plan.too_long:
@@ -326,12 +302,17 @@ class Batcher:
         parts, ids, riders = [], [], {}
         for pp in plan.parts:
             s = self._streams[pp.stream]
+            start = pp.start or s.fork_pending  # (a fork is started from the policy's view)
             if pp.start:
-                s.started, s.context, s.first_seq = True, 0, next(self._seqs)
-                seq = s.first_seq
-            else:
-                seq = next(self._seqs)
-            part = Part(pp.stream, seq, pp.n, pp.start, pp.rollback, pp.logits, s.req.sampling)
+                s.started, s.context = True, 0
+            seq = next(self._seqs)
+            if start:
+                s.first_seq = seq
+            fork = s.fork if s.fork_pending else None
+            s.fork_pending = False
+            part = Part(
+                pp.stream, seq, pp.n, start, pp.rollback, pp.logits, s.req.sampling, fork, s.fork_len if fork else 0
+            )
             at = s.kept
             rows = s.tokens[at : at + pp.n]
             s.sent_drafts = []
@@ -348,15 +329,16 @@ class Batcher:
         fut = self.pipeline.send_batch(parts, ids)
         for s in riders.values():
             s.in_flight = id(fut)
-        self._flights[id(fut)] = _Flight(riders, fut)
+        self._flights[id(fut)] = Flight(riders, fut)
         self.batches_sent += 1
         self.parts_sent += len(parts)
         fut.add_done_callback(lambda f: self._landed(id(f), f))
 
-    def _restart(self, s: _Stream, *, close: bool) -> None:
+    def _restart(self, s: Stream, *, close: bool) -> None:
         """Start ``s`` over from its tokens so far (its stages' state is gone or wrong)."""
-        if close and s.started:
+        if close and s.started and not s.fork_pending:
             self.pipeline.close_stream_nowait(s.name)
+        s.unfork(self.prefix)
         s.started, s.context, s.blocks, s.in_flight, s.part = False, 0, 0, None, None
         s.rollback, s.sent_drafts = 0, []
         if s.drafts is not None:
@@ -390,7 +372,7 @@ class Batcher:
                 self.drafter.start(s.drafts, s.tokens, s.req.max_tokens - s.emitted, self._poke)
         self._poke()
 
-    def _confirmed(self, s: _Stream, toks: tuple[int, ...]) -> tuple[int, ...]:
+    def _confirmed(self, s: Stream, toks: tuple[int, ...]) -> tuple[int, ...]:
         """A part's new tokens: the drafts the target agrees with and its own next one; the
         rejected drafts' positions become the next part's rollback."""
         sent, s.sent_drafts = s.sent_drafts, []
@@ -401,11 +383,11 @@ class Batcher:
         s.rollback = len(sent) - a
         return toks[: a + 1]
 
-    def _deliver(self, s: _Stream, toks: tuple[int, ...]) -> None:
+    def _deliver(self, s: Stream, toks: tuple[int, ...]) -> None:
         for tok in toks:
             if tok in s.req.stop_ids:
                 s.out.put_nowait(None)
-                self._finish(s)
+                self._finish(s, keep=True)
                 return
             s.tokens.append(tok)
             s.emitted += 1
@@ -413,7 +395,7 @@ class Batcher:
             s.out.put_nowait(tok)
             if s.emitted >= s.req.max_tokens:
                 s.out.put_nowait(None)
-                self._finish(s)
+                self._finish(s, keep=True)
                 return
 
     def _on_error(self, stream: str, seq: int | None, err: PipelineError) -> None:
@@ -430,7 +412,7 @@ class Batcher:
         self._failed(s, err)
         self._poke()
 
-    def _failed(self, s: _Stream, err: PipelineError) -> None:
+    def _failed(self, s: Stream, err: PipelineError) -> None:
         if err.code in ("node_lost", "stale_term", "paused"):
             return  # the pipeline is going: failover starts every stream over
         s.resets += 1

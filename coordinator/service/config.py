@@ -38,6 +38,7 @@ class ServeConfig:
     max_streams: int = 4  # streams in flight at once, one step each (stateful stages)
     batching: bool = True  # paged stages: continuous batching (micro-batches of many streams)
     batch_streams: int = 64  # streams a batching ring runs at once (more wait for their turn)
+    prefix_cache: bool = True  # batching: finished prompts' KV heads stay for requests that share them
     batch_queue: int = 64  # requests waiting for their turn before the API answers 503 (Retry-After)
     link_delay_ms: float = 0.0
     link_mbps: float = 0.0

@@ -98,7 +98,8 @@ class Coordinator:
         stream per step. Either speculates where a draft is configured."""
         cfg = self.cfg
         if cfg.batching and pipeline.capacity() is not None:
-            return Batcher(pipeline, cfg.batch_streams, cfg.batch_queue, await self._async_spec())
+            spec = await self._async_spec()
+            return Batcher(pipeline, cfg.batch_streams, cfg.batch_queue, spec, prefix_cache=cfg.prefix_cache)
         return Scheduler(pipeline, cfg.max_streams, await self._async_spec(), ring_loop=cfg.ring_loop)
 
     async def _async_spec(self) -> SpecConfig | None:

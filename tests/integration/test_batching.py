@@ -250,3 +250,38 @@ def test_the_api_answers_503_with_retry_after_when_the_admission_queue_is_full()
     assert refused.value.code == 503 and int(refused.value.headers["Retry-After"]) >= 1
     assert json.loads(refused.value.read())["error"]["code"] == "overloaded"
     assert rest.rstrip().endswith("data: [DONE]")
+
+
+SYSTEM = (
+    "You are the office assistant of a small architecture firm. You answer in short, plain sentences, "
+    "you never invent facts about projects you were not told about, and when a question is about "
+    "building codes you say which code and which section you mean. You may use lists."
+)
+
+
+def test_a_shared_prompt_head_is_computed_once_and_changes_no_answer(
+    ring2: LocalCluster, smollm2: Any, smollm2_tokenizer: Any
+) -> None:
+    """Chats that begin with the same system prompt, one after another and then together: with
+    the prefix cache, later ones share the first one's KV blocks of that head instead of
+    computing them, and every answer is the one computed without the cache."""
+    questions = ["What is a load-bearing wall?", "Name two roof shapes.", "Why insulate a roof?", "What is a lintel?"]
+    chats = [
+        tuple(
+            map(
+                int, smollm2_tokenizer.chat_ids([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
+            )
+        )
+        for q in questions
+    ]
+    assert len(chats[0]) > 64  # two whole blocks of head at least
+
+    async def job(b: Batcher) -> tuple[list[list[int]], list[list[int]], float]:
+        one_by_one = [await _one(b, p, 0) for p in chats]
+        together = list(await asyncio.gather(*[_one(b, p, 0) for p in chats]))
+        return one_by_one, together, b.prefix.hit_rate if b.prefix is not None else 0.0
+
+    cached_seq, cached_par, hit_rate = aio.run(_with_coordinator(smollm2, ring2.nodes, job))
+    plain_seq, plain_par, none = aio.run(_with_coordinator(smollm2, ring2.nodes, job, prefix_cache=False))
+    assert cached_seq == plain_seq and cached_par == plain_par == plain_seq
+    assert none == 0.0 and hit_rate > 0.5, "most prompt tokens came from cached heads"
