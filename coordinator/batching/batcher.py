@@ -97,10 +97,6 @@ class Batcher:
     def waiting(self) -> int:
         return sum(not s.started for s in self._streams.values())
 
-    @property
-    def max_in_flight(self) -> int:
-        return len(self.pipeline.placements)
-
     def summary(self) -> dict[str, float | int]:
         """What ``lakeshard status --json`` shows of the batching."""
         return {
