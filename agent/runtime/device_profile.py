@@ -12,8 +12,14 @@ property                      CPU                              GPU
 activations                   f32 (bf16 loses on a one-token   f16 where the device has FP16,
 (INFERENCE_PRECISION_HINT)    step; ``LAKESHARD_CPU_PRECI-     else f32 (the lent H200 through
                               SION`` overrides)                PoCL reports no FP16)
-KV cache                      f16                              f16 where FP16, else f32
-(KV_CACHE_PRECISION)
+KV cache                      f32 (f16 made a token's logits   f16 where FP16, else f32
+(KV_CACHE_PRECISION;          depend on how many tokens share
+``LAKESHARD_KV_PRECISION``    its infer call by up to 0.02, so
+overrides: f32, f16, u8)      batch companions, drafts and
+                              prompt chunks changed greedy
+                              text; f32 leaves 6e-5 and cost
+                              no measurable speed: see
+                              docs/bench/reproducibility.md)
 dynamic quantization of       plugin default                   plugin default (it quantizes
 activations (DYNAMIC_QUANTI-                                   only on XMX devices:
 ZATION_GROUP_SIZE)                                             GPU_HW_MATMUL)
@@ -47,6 +53,7 @@ from typing import Any
 from agent.runtime.device import DeviceError, core
 
 log = logging.getLogger(__name__)
+KV_PRECISIONS = ("f32", "f16", "u8")
 
 
 def model_per_stream(device: str) -> bool:
@@ -85,6 +92,8 @@ def properties_for(
     ``exact`` = f32 everywhere and no dynamic quantization (a result must not depend on how
     many tokens share a call: prefill vs steps, verify vs decode), for parity tests.
     """
+    if kv_precision is not None and kv_precision not in KV_PRECISIONS:
+        raise DeviceError(f"LAKESHARD_KV_PRECISION must be one of {', '.join(KV_PRECISIONS)}, not {kv_precision!r}")
     props: dict[str, Any] = {"PERFORMANCE_HINT": "LATENCY"}
     if exact:
         if t.kind in ("CPU", "GPU"):
@@ -95,7 +104,7 @@ def properties_for(
         if cpu_precision not in ("f32", "bf16", "f16"):
             raise DeviceError(f"LAKESHARD_CPU_PRECISION must be f32, bf16 or f16, not {cpu_precision!r}")
         props["INFERENCE_PRECISION_HINT"] = cpu_precision
-        props["KV_CACHE_PRECISION"] = kv_precision or "f16"
+        props["KV_CACHE_PRECISION"] = kv_precision or "f32"
     elif t.kind == "GPU":
         props["INFERENCE_PRECISION_HINT"] = "f16" if t.fp16 else "f32"
         props["KV_CACHE_PRECISION"] = kv_precision or ("f16" if t.fp16 else "f32")
@@ -142,7 +151,7 @@ def compile_properties(
         device_traits(device),
         threads=threads,
         exact=exact,
-        kv_precision=kv_precision,
+        kv_precision=kv_precision or os.environ.get("LAKESHARD_KV_PRECISION") or None,
         cpu_precision=os.environ.get("LAKESHARD_CPU_PRECISION", "f32"),
     )
     supported = _supported(device)

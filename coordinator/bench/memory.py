@@ -18,6 +18,7 @@ from typing import Any
 from agent.common import aio
 from agent.export.exporter import ExportOptions, export_model
 from agent.models.registry import REGISTRY
+from agent.runtime.device_profile import compile_properties
 from agent.security.transport import PLAINTEXT
 from coordinator.bench.pipeline import resolve_model, synthetic_ids
 from coordinator.lab.local_cluster import LocalCluster
@@ -55,7 +56,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     export_model(model, [(0, model.num_layers)], opts, quiet=bool(args.json))
     cfg_json = json.loads((model.dir / "config.json").read_text())
     hd = cfg_json.get("head_dim") or cfg_json["hidden_size"] // cfg_json["num_attention_heads"]
-    kv_mb = 2 * cfg_json["num_hidden_layers"] * cfg_json["num_key_value_heads"] * hd * args.prompt_tokens * 2 / 2**20
+    kv_precision = str(compile_properties("CPU").get("KV_CACHE_PRECISION", "f16"))  # what the agent compiles with
+    elem = {"f32": 4, "f16": 2, "u8": 1}.get(kv_precision, 2)
+    kv_mb = 2 * cfg_json["num_hidden_layers"] * cfg_json["num_key_value_heads"] * hd * args.prompt_tokens * elem / 2**20
     with LocalCluster(1, device="CPU") as cluster:
         cfg = ServeConfig(
             nodes=cluster.nodes, model=model, opts=opts, transport=PLAINTEXT, api_port=0, quiet=True, api=False
@@ -69,7 +72,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_tokens": args.prompt_tokens,
         "rss_mb": rss,
         "per_stream_mb": deltas,
-        "kv_f16_mb_per_stream": round(kv_mb, 1),
+        "kv_precision": kv_precision,
+        "kv_mb_per_stream": round(kv_mb, 1),
         "model_bin_mb": round(
             sum(
                 f.stat().st_size

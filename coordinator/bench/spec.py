@@ -156,14 +156,8 @@ def genai_spec(
         out["genai_error"] = f"openvino_genai is not installed: {e}"
         return out
     tdir = export_model(target, [(0, target.num_layers)], ExportOptions(weights=weights, genai=True), quiet=True).dir
-    if device == "CPU":
-        props: dict[str, Any] = {
-            "KV_CACHE_PRECISION": "f16",
-            "INFERENCE_NUM_THREADS": threads,
-            "INFERENCE_PRECISION_HINT": "f32",
-        }
-    else:  # what our stages compile with on that device (its precision, its KV cache precision)
-        props = compile_properties(device)
+    # what our stages compile with on that device (its precision, its KV cache precision)
+    props: dict[str, Any] = compile_properties(device, threads=threads if device == "CPU" else None)
 
     def timed(pipe: Any, extra: dict[str, Any]) -> float:
         cfg = pipe.get_generation_config()

@@ -133,12 +133,16 @@ class Footprint:
         return weights + stages * self.runtime_bytes
 
 
-def footprint(config: Any, weights: str, streams: int = 4, context: int = 4096) -> Footprint:
+KV_BYTES = 4  # per cached element: a CPU stage's KV cache is f32 (a GPU's f16 needs half)
+
+
+def footprint(config: Any, weights: str, streams: int = 4, context: int = 4096, kv_bytes: int = KV_BYTES) -> Footprint:
+    """``kv_bytes`` per cached element: what a stage on the CPU keeps (the larger case)."""
     costs = model_costs(config)
     bpw = BYTES_PER_WEIGHT[weights]
     h = int(config.hidden_size)
     hd = int(getattr(config, "head_dim", None) or h // int(config.num_attention_heads))
-    kv = 2 * int(config.num_key_value_heads) * hd * context * streams * 2  # K and V, f16
+    kv = 2 * int(config.num_key_value_heads) * hd * context * streams * kv_bytes  # K and V
     layer_weights = costs.layer - 2 * h * h  # the per-layer remainder in model_costs is not weights
     embed = int(config.vocab_size) * h * 2  # gathered from an f16 table
     return Footprint(

@@ -96,7 +96,7 @@ def test_same_device(a: str, b: str, same: bool) -> None:
         (H200_POCL, False, {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}),
         # an Arc iGPU: f16 activations and KV; dynamic quantization left to the plugin (XMX)
         (ARC_IGPU, False, {"INFERENCE_PRECISION_HINT": "f16", "KV_CACHE_PRECISION": "f16"}),
-        (XEON, False, {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f16"}),
+        (XEON, False, {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}),
         # exact mode is f32 end to end with no dynamic quantization, whatever the device
         (
             ARC_IGPU,
@@ -122,7 +122,10 @@ def test_threads_go_to_the_cpu_only_and_kv_precision_can_be_asked_for() -> None:
     assert properties_for(XEON, threads=2)["INFERENCE_NUM_THREADS"] == 2
     assert "INFERENCE_NUM_THREADS" not in properties_for(ARC_IGPU, threads=2)
     assert properties_for(ARC_IGPU, kv_precision="u8")["KV_CACHE_PRECISION"] == "u8"
+    assert properties_for(XEON, kv_precision="f16")["KV_CACHE_PRECISION"] == "f16"
     assert properties_for(XEON, cpu_precision="bf16")["INFERENCE_PRECISION_HINT"] == "bf16"
+    with pytest.raises(DeviceError, match="LAKESHARD_KV_PRECISION"):
+        properties_for(XEON, kv_precision="f8")
     with pytest.raises(DeviceError, match="LAKESHARD_CPU_PRECISION"):
         properties_for(XEON, cpu_precision="int3")
 

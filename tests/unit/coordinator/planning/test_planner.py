@@ -207,6 +207,8 @@ def test_footprint_of_a_real_config() -> None:
     weights = 24 * fp.layer_bytes + fp.head_bytes
     assert 200 * MB < weights < 400 * MB  # Qwen2.5-0.5B at INT4: about 0.3 GB of weights
     assert fp.head_bytes > 5 * fp.layer_bytes  # its lm_head weighs as much as several layers
+    # a 1024-token stream's KV at the CPU's f32: 24 MB (bench memory measured 24.7-25.2 MB a stream)
+    assert 23 * MB < 24 * fp.kv_bytes_per_layer < 25 * MB
 
 
 # ---- one offer per device: the planner picks each node's device ------------------------------
