@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from agent.protocol.control import ID_RE, KIND_RE, MAX_MEM, MAX_SCORE, STATES
+from agent.runtime.kv_budget import kv_pool_bytes
 
 if TYPE_CHECKING:  # zeroconf is imported only when mDNS is used (standalone agents do without)
     from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
@@ -48,11 +49,13 @@ class Advert:
     port: int
     addresses: tuple[str, ...] = ()
     reason: str | None = None  # why it is limited or paused
+    kv_pool: int = 0  # bytes a paged stage here would give its KV blocks (advertised in MiB; 0: not said)
 
     def txt(self) -> dict[str, str]:
         extra = {"why": self.reason[:64]} if self.reason else {}
         return {
             **extra,
+            "kv": str((self.kv_pool or kv_pool_bytes(self.mem_free)) // MIB),
             "id": self.node,
             "cl": self.cluster,
             "v": self.version,
@@ -113,6 +116,7 @@ def parse_txt(props: dict[bytes, bytes | None], addresses: tuple[str, ...] = ())
         port=int(port),
         addresses=addresses,
         reason=_text(props, "why", 64) if props.get(b"why") else None,
+        kv_pool=int(_number(props, "kv", MAX_MEM // MIB)) * MIB if props.get(b"kv") else 0,  # older agents: none
     )
 
 

@@ -29,6 +29,7 @@ from openvino import opset13 as ops
 from agent.common import paths
 from agent.protocol.control import DeviceOffer
 from agent.runtime.device import DeviceError, pick_device
+from agent.runtime.kv_budget import kv_pool_bytes
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +145,7 @@ class Capacity:
         d = asdict(self)
         d["devices"] = [asdict(x) for x in self.devices]
         d["kinds"] = self.kinds()
+        d["kv_pool"] = kv_pool_bytes(self.mem_free)  # what a paged stage here would give its KV blocks now
         return d
 
     def offers(self) -> tuple[DeviceOffer, ...]:

@@ -23,6 +23,7 @@ from agent.export.held import HeldExports
 from agent.protocol import Assign, Assigned, ProtocolError, StageReport
 from agent.protocol.control import EXPORT_RE
 from agent.runtime.device import DeviceError, assigned_device, choose_device
+from agent.runtime.kv_budget import KvBudgetError, kv_memory_override, kv_pool_bytes
 from agent.runtime.paged import PagedStage, PagedUnavailable, attention_path
 from agent.runtime.stage import Stage
 from agent.security.transport import Transport
@@ -61,12 +62,17 @@ class StageHost:
         """``attention``: how its stages attend, ``stateful``, ``paged`` or ``auto`` (paged where
         the device runs PagedAttention); a stage that cannot run paged runs stateful (logged,
         and said in the status). A paged stage's KV pool holds ``LAKESHARD_KV_BLOCKS`` blocks
-        when set (tests), else what fits its default memory share."""
+        when set (tests), else ``LAKESHARD_KV_MEMORY`` MiB, else its share of the memory free
+        when it is compiled (:mod:`agent.runtime.kv_budget`)."""
         if attention not in ("auto", "paged", "stateful"):
             raise ValueError(f"attention must be auto, paged or stateful, not {attention!r}")
         self.attention = attention
         self._fallbacks: dict[Path, str] = {}  # why a stage (by its folder) compiled stateful despite the setting
         self.kv_blocks = _env_count("LAKESHARD_KV_BLOCKS", None, 1 << 24)
+        try:
+            self.kv_memory = kv_memory_override()  # else a share of the memory free at compile time
+        except KvBudgetError as e:
+            raise SystemExit(f"lakeshard: error: {e}") from None
         self.step_tokens = _env_count("LAKESHARD_STEP_TOKENS", STEP_TOKENS, 1 << 20)
         self.device = device
         self.threads = threads  # the threads the next stage it compiles may use (the throttle lowers it)
@@ -218,6 +224,7 @@ class StageHost:
                     threads=self.threads,
                     exact=exact,
                     num_blocks=self.kv_blocks,
+                    kv_bytes=self._kv_bytes(stage_dir),
                     max_step_tokens=self.step_tokens,
                 )
             except PagedUnavailable as e:
@@ -228,6 +235,11 @@ class StageHost:
             else:
                 return stage
         return Stage(stage_dir, device=device, threads=self.threads, exact=exact)
+
+    def _kv_bytes(self, stage_dir: Path) -> int:
+        """The KV pool of a paged stage compiled now: a share of the memory free, less its weights."""
+        weights = sum(f.stat().st_size for f in Path(stage_dir).glob("*.bin"))
+        return kv_pool_bytes(int(psutil.virtual_memory().available), weights, self.kv_memory)
 
     def status(self) -> dict[str, Any]:
         w = self.worker
@@ -266,7 +278,11 @@ class StageHost:
         out: dict[str, Any] = {"attention": None if s is None else "paged" if isinstance(s, PagedStage) else "stateful"}
         if isinstance(s, PagedStage):
             out.update(
-                kv_blocks_total=s.pool.num_blocks, kv_blocks_free=s.pool.free_blocks, kv_block_tokens=s.block_size
+                kv_blocks_total=s.pool.num_blocks,
+                kv_blocks_free=s.pool.free_blocks,
+                kv_block_tokens=s.block_size,
+                kv_pool_mb=round(s.pool.num_blocks * s.block_bytes / 2**20, 1),
+                kv_precision=s.kv_precision,
             )
         why = None if s is None or isinstance(s, PagedStage) else self._fallbacks.get(s.dir)
         if why:

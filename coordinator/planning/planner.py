@@ -117,6 +117,16 @@ class Footprint:
     embed_bytes: int
     kv_bytes_per_layer: int  # all streams at the planned context length
     runtime_bytes: int = 700 * 1024**2  # an agent process with OpenVINO loaded
+    kv_token_bytes: int = 0  # KV of one token in one layer (K and V)
+
+    def weight_bytes(self, start: int, end: int) -> int:
+        """The weights a stage of layers ``start:end`` loads (no KV, no runtime)."""
+        n = self.costs.n_layers
+        return (
+            (end - start) * self.layer_bytes
+            + (self.embed_bytes if start == 0 else 0)
+            + (self.head_bytes if end == n else 0)
+        )
 
     def stage_bytes(self, start: int, end: int) -> int:
         n = self.costs.n_layers
@@ -151,6 +161,7 @@ def footprint(config: Any, weights: str, streams: int = 4, context: int = 4096, 
         head_bytes=int(costs.head * bpw),
         embed_bytes=embed,
         kv_bytes_per_layer=kv,
+        kv_token_bytes=2 * int(config.num_key_value_heads) * hd * kv_bytes,
     )
 
 

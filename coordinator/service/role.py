@@ -33,6 +33,7 @@ from agent.protocol.cluster_view import ClusterView, NodeInfo
 from agent.protocol.events import Takeover
 from agent.security.transport import Transport
 from coordinator.api.limits import Limits
+from coordinator.planning.context import StageContext, cluster_context, plan_context
 from coordinator.planning.planner import Plan
 from coordinator.service import role_status
 from coordinator.service.config import ServeConfig
@@ -76,6 +77,7 @@ class CoordinatorRole:
         self.members = members
         self.coordinator: Coordinator | None = None
         self.plan: Plan | None = None
+        self.context: tuple[StageContext, ...] = ()  # each stage's foretold KV pool and tokens
         self.addresses: dict[str, str] = {}
         self.error: str | None = None
         self.state = "planning" if model else "no model"
@@ -142,7 +144,8 @@ class CoordinatorRole:
         self.prep.model = formed.model.name  # (the reference may be a path)
         plan = formed.plan
         nodes = [self.addresses[n] for n in plan.nodes]
-        log.info("plan: %s", _describe(plan))
+        self.context = plan_context(formed.fp, plan, [m.offer for m in formed.members])
+        log.info("plan: %s; holds %d tokens of context", _describe(plan), cluster_context(self.context))
         self.state = "assigning"
         self.coordinator = Coordinator(self._serve_config(formed, nodes))
         self.coordinator.node_ids = {a: n for n, a in self.addresses.items()}
@@ -217,6 +220,8 @@ class CoordinatorRole:
             c = self.coordinator
             plan = await self.forming.async_replan(fp, members, c.cfg.model.name, c.cfg.opts.weights)
             if plan is not None:
+                if _layout(plan) != _layout(self.plan):  # a new layout's pools (the running one's stay as told)
+                    self.context = plan_context(fp, plan, [m.offer for m in members])
                 await self._async_move(plan, members)
 
     async def _async_move(self, plan: Plan, members: list[Member]) -> None:
@@ -315,3 +320,7 @@ def make_services(spec: ServicesSpec) -> CoordinatorRole:
         needed_before=spec.needed_before,
         transport=spec.transport,
     )
+
+
+def _layout(plan: Plan | None) -> list[tuple[str, int, int, str]]:
+    return [] if plan is None else [(s.node, s.start, s.end, s.device) for s in plan.stages]

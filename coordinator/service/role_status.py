@@ -10,6 +10,7 @@ from typing import Any, Protocol
 from agent.protocol.cluster_view import ClusterView, NodeInfo
 from coordinator.api.limits import Limits
 from coordinator.batching.batcher import Batcher
+from coordinator.planning.context import StageContext, cluster_context
 from coordinator.planning.planner import Plan
 from coordinator.service.coordinator import Coordinator
 from coordinator.service.preparing import Preparer
@@ -25,6 +26,7 @@ class Seen(Protocol):
     state: str
     error: str | None
     plan: Plan | None
+    context: tuple[StageContext, ...]  # per stage of the plan (empty: not foretold)
     addresses: dict[str, str]  # node id -> agent address
     coordinator: Coordinator | None
     api_limits: Limits
@@ -96,13 +98,17 @@ def status(role: Seen) -> dict[str, Any]:
     c = role.coordinator
     stages = []
     if role.plan is not None:
+        kv = {k.node: k for k in role.context}
         for s in role.plan.stages:
+            k = kv.get(s.node)
             stages.append(
                 {
                     "node": s.node,
                     "address": role.addresses.get(s.node),
                     "layers": [s.start, s.end],
                     "device": s.device or None,
+                    "kv_pool_mb": round(k.pool_bytes / 2**20) if k else None,
+                    "kv_tokens": k.tokens if k else None,
                 }
             )
     return {
@@ -110,6 +116,7 @@ def status(role: Seen) -> dict[str, Any]:
         "model": role.model_ref,
         "term": role.term,
         "plan": stages,
+        "context_tokens": cluster_context(role.context) or None,  # all users together, as planned
         "api": f"{c.api_url}/v1" if c is not None and c.api_url else None,
         "ring_port": c.ring_port if c is not None and c.ring_port else None,  # for firewalls
         "api_limits": role.api_limits.describe(),

@@ -184,6 +184,9 @@ def test_elected_agents_serve_over_tls(secure: Secure, tmp_path: Path) -> None:
         gateways = [v["gateway"] for v in views]
         far = c.api_ports[[bool(g["here"]) for g in gateways].index(False)]  # type: ignore[index]
         near = c.api_ports[[bool(g["here"]) for g in gateways].index(True)]  # type: ignore[index]
+        services = next(v["services"] for v in views if v.get("services"))
+        # the plan says how much context its stages' KV pools would hold (SmolLM2 at f32: 30 layers)
+        assert services["context_tokens"] == min(s["kv_tokens"] for s in services["plan"]) > 2000, services
         body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 12, "temperature": 0}
         status, a = post_chat(f"http://127.0.0.1:{far}", body)
         assert status == 200, a

@@ -145,6 +145,8 @@ def test_a_micro_batch_gives_every_stream_the_tokens_it_gets_alone(
 
     batched, before, after = aio.run(go())
     assert [s["attention"] for s in before] == ["paged", "paged"]
+    # each pool is a quarter of the memory its agent had free, within 64 MiB..1 GiB, f32 on CPU
+    assert all(64 - 2 <= s["kv_pool_mb"] <= 1024 and s["kv_precision"] == "f32" for s in before), before
     assert batched == solo_paged
     assert _alone(stateful, export, prompts) == solo_paged
     assert [_stage(n)["attention"] for n in stateful.nodes] == ["stateful", "stateful"]
