@@ -130,6 +130,21 @@ def _json(obj: Any) -> dict[str, Any]:
     return out
 
 
+def _rows_ms(v: Any) -> dict[int, float] | None:
+    """``{"1": ms, "8": ms}``: batch sizes (1..65536) to median step times."""
+    if v is None:
+        return None
+    m = mapping_field(v, "stage.step_ms_by_rows")
+    if len(m) > 32:
+        raise ProtocolError("bad_field", "stage.step_ms_by_rows has more than 32 sizes")
+    out = {}
+    for k, t in m.items():
+        if not isinstance(k, str) or not k.isdigit() or not 1 <= int(k) <= 1 << 16:
+            raise ProtocolError("bad_field", f"stage.step_ms_by_rows: {k!r} is not a batch size")
+        out[int(k)] = float_field(t, f"stage.step_ms_by_rows.{k}", 0.0, 1e9)
+    return out
+
+
 @dataclass(frozen=True)
 class StageStatus:
     """The stage this node serves (``/v1/node``'s ``stage``): which layers, and how it runs."""
@@ -154,11 +169,14 @@ class StageStatus:
     attention: str | None = None  # "paged" or "stateful" (None: no stage; older agents)
     kv_blocks_total: int | None = None  # a paged stage's KV block pool
     kv_blocks_free: int | None = None
+    step_ms_by_rows: dict[int, float] | None = None  # a paged stage's median step (ms) by batch size
     details: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         out = _json(self)
-        for k in ("kv_blocks_total", "kv_blocks_free"):  # a stateful stage has no pool: no such keys
+        if self.step_ms_by_rows is not None:
+            out["step_ms_by_rows"] = {str(k): v for k, v in self.step_ms_by_rows.items()}
+        for k in ("kv_blocks_total", "kv_blocks_free", "step_ms_by_rows"):  # none on a stateful stage
             if out[k] is None:
                 del out[k]
         return out
@@ -194,6 +212,7 @@ class StageStatus:
             attention=_attention(d.get("attention")),
             kv_blocks_total=total,
             kv_blocks_free=opt_int(d.get("kv_blocks_free"), "stage.kv_blocks_free", 0, total or 0),
+            step_ms_by_rows=_rows_ms(d.get("step_ms_by_rows")),
             details=_details(d, StageStatus),
         )
 

@@ -259,6 +259,7 @@ class StageHost:
             "errors": self.errors,
             "compute_s": round(w.compute_s, 4),
             "step_ms_p50": round(statistics.median(w.recent_ms), 3) if w.recent_ms else None,
+            "step_ms_by_rows": w.step_ms_by_rows() or None,  # a paged stage's, by batch size
             "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
             "fetching": self.fetching,
             "preparing": self.preparing,

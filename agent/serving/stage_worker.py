@@ -27,6 +27,7 @@ from agent.serving.paged_worker import BatchOut, PagedWorker
 
 MAX_STREAMS = 256
 HEAD_WINDOW = 8  # split-head rounds remembered to decide whether splitting pays
+ROWS_SAMPLES = 8  # steps of one batch size before its median is reported
 HEAD_PROBE_EVERY = 32  # while it does not, one step in this many still splits, to re-measure
 
 
@@ -104,11 +105,14 @@ class StageWorker:
         self.last_step_at: float | None = None  # wall clock of its last computed step
         self.compute_s = 0.0  # time spent in inference
         self.recent_ms: collections.deque[float] = collections.deque(maxlen=256)
+        self.rows_ms: dict[int, collections.deque[float]] = {}  # a paged stage's step times by batch size
 
     def install(self, stage: Stage | PagedStage, msg: Assign) -> None:
         """Serve ``stage`` from now on (between two frames: none sees half a swap); streams are dropped."""
         if self.paged is not None:
             self.paged.close_all()  # (the same stage may be kept: its blocks go back)
+        if stage is not self.stage:
+            self.rows_ms.clear()  # another stage, other costs
         self.stage, self.assignment = stage, msg
         self.paged = PagedWorker(stage, MAX_STREAMS) if isinstance(stage, PagedStage) else None
         self.streams.clear()
@@ -152,7 +156,14 @@ class StageWorker:
             self.last_step_at = time.time()
             self.compute_s += out.seconds
             self.recent_ms.append(out.seconds * 1000)
+            bucket = 1 << (out.tokens.bit_length() - 1)  # 1, 2, 4, 8, ... rows (rounded down)
+            self.rows_ms.setdefault(bucket, collections.deque(maxlen=64)).append(out.seconds * 1000)
         return out
+
+    def step_ms_by_rows(self, least: int = ROWS_SAMPLES) -> dict[str, float]:
+        """Median step time (ms) per batch size (powers of two, rounded down) with ``least``
+        samples or more: what the coordinator's calibration fits a batch curve to."""
+        return {str(b): round(statistics.median(d), 3) for b, d in sorted(self.rows_ms.items()) if len(d) >= least}
 
     # -- the split head ----------------------------------------------------------------------------
     def _split_head(self, fwd: Fwd) -> bool:

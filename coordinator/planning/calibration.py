@@ -14,12 +14,14 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 from agent.common.paths import state_dir, write_json_atomic
 from agent.protocol import ProtocolError
 from agent.protocol.status import NodeStatus, StageStatus
+from coordinator.planning.batch_cost import Curve
 
 log = logging.getLogger(__name__)
 HEAD_LIMITS = (0.25, 64.0)  # a fit outside this says the measurement was noise
@@ -65,31 +67,63 @@ def bottleneck_ms(ranges: Sequence[tuple[int, int]], per_layer_ms: float, head_l
 
 
 class CalibrationStore:
-    """``{key: head_layers}`` in ``calibration.json`` of the state folder; a bad file is ignored."""
+    """``{key: head_layers}`` and ``{key|batch: [[rows, g], ...]}`` (the batch curve, see
+    :mod:`coordinator.planning.batch_cost`) in ``calibration.json`` of the state folder; a bad
+    file or entry is ignored."""
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = path or state_dir() / "calibration.json"
 
-    def _read(self) -> dict[str, float]:
+    def _raw(self) -> dict[str, Any]:
         try:
             data = json.loads(self.path.read_text())
         except (OSError, ValueError):
             return {}
-        if not isinstance(data, dict):
-            return {}
-        return {k: float(v) for k, v in data.items() if isinstance(v, int | float)}
+        return data if isinstance(data, dict) else {}
 
-    def get(self, key: str) -> float | None:
-        return self._read().get(key)
-
-    def update(self, key: str, head_layers: float) -> None:
-        """Keep the latest fit (a median over many steps; the hardware may have changed)."""
-        data = self._read()
-        data[key] = round(head_layers, 4)
+    def _write(self, data: dict[str, Any]) -> None:
         try:
             write_json_atomic(self.path, data, indent=1, sort_keys=True)
         except OSError as e:
             log.warning("cannot save the split calibration: %s", e)
+
+    def get(self, key: str) -> float | None:
+        v = self._raw().get(key)
+        return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+    def update(self, key: str, head_layers: float) -> None:
+        """Keep the latest fit (a median over many steps; the hardware may have changed)."""
+        data = self._raw()
+        data[key] = round(head_layers, 4)
+        self._write(data)
+
+    def curve(self, key: str) -> Curve | None:
+        """The batch curve measured for ``key`` (None: none yet, or unreadable)."""
+        v = self._raw().get(f"{key}|batch")
+        if not isinstance(v, list):
+            return None
+        try:
+            pts = tuple((int(b), float(g)) for b, g in v)
+        except (TypeError, ValueError):
+            return None
+        ok = len(pts) >= 2 and pts[0] == (1, 1.0) and all(b0 < b1 and g0 <= g1 for (b0, g0), (b1, g1) in pairwise(pts))
+        return pts if ok else None
+
+    def update_curve(self, key: str, curve: Curve) -> None:
+        data = self._raw()
+        data[f"{key}|batch"] = [list(p) for p in curve]
+        self._write(data)
+
+
+def stage_rows_ms(status: Any) -> dict[int, float] | None:
+    """A paged stage's median step time by batch size, from an agent's ``/v1/node`` (None:
+    a stateful stage, none measured yet, or an unreadable answer)."""
+    try:
+        daemon = isinstance(status, dict) and "node" in status
+        st = NodeStatus.parse(status).stage if daemon else StageStatus.parse(status)
+    except ProtocolError:
+        return None
+    return st.step_ms_by_rows or None
 
 
 @dataclass(frozen=True)

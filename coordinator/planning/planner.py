@@ -14,6 +14,7 @@ from itertools import pairwise
 from typing import Any
 
 from agent.cluster.offers import NodeOffer
+from coordinator.planning.batch_cost import Curve, ring_token_s
 
 
 class PlanError(ValueError):
@@ -275,8 +276,14 @@ def plan_pipeline(
     gain: float = 0.05,
     home: str | None = None,
     min_nodes: int = 1,
+    batch_curve: Curve | None = None,
 ) -> Plan:
     """Contiguous layer ranges over some of ``offers`` that serve ``streams`` streams fastest.
+
+    ``batch_curve``: how a paged stage's step time grows with its batch, as calibration
+    measured it for this model (:mod:`coordinator.planning.batch_cost`); with it, ``streams``
+    users are batched about ``streams / k`` to a micro-batch on ``k`` stages, which is how a
+    batching ring runs. Without it, each stream steps on its own.
 
     Time per token of the whole cluster is ``max(bottleneck, cycle / streams)``, where the
     cycle adds ``hop_s`` per hop: one stream gains nothing from extra nodes, many streams do.
@@ -303,7 +310,7 @@ def plan_pipeline(
     if not usable:
         raise PlanError("no node is available (all paused or unknown)")
     least = max(1, min(min_nodes, len(usable)))
-    plan = _plan_over(fp, usable, streams=streams, hop_s=hop_s, gain=gain, home=home, least=least)
+    plan = _plan_over(fp, usable, streams=streams, hop_s=hop_s, gain=gain, home=home, least=least, curve=batch_curve)
     if plan is not None:
         return plan
     need = fp.total_bytes(1)
@@ -323,6 +330,7 @@ def _plan_over(
     gain: float,
     home: str | None,
     least: int = 1,
+    curve: Curve | None = None,
 ) -> Plan | None:
     """:func:`plan_pipeline` over ``nodes``; None when nothing fits."""
     usable = sorted(nodes, key=lambda o: (-o.speed, -o.mem_free, o.name != home, o.name))
@@ -354,10 +362,19 @@ def _plan_over(
         if homed is not None and homed.bottleneck_s <= found.bottleneck_s * (1 + HOME_SLACK):
             found = homed
         cycle = found.cycle_s + hop_s * k  # k hops: coordinator -> stages -> back
-        score = max(found.bottleneck_s, cycle / max(1, streams))
+        score = token_s(found.stages, hop_s, streams, curve)
         if best is None or score < best[0] * (1 - gain):
             best = (score, Plan(found.stages, found.bottleneck_s, cycle))
     return None if best is None else best[1]
+
+
+def token_s(stages: Sequence[StagePlan], hop_s: float, streams: int, curve: Curve | None) -> float:
+    """Predicted seconds per token, all streams together, of ``stages`` with a hop each: per
+    stream ``max(bottleneck, cycle / streams)``; batched, along ``curve``."""
+    secs = [s.seconds for s in stages]
+    if curve is not None:
+        return ring_token_s(secs, hop_s, streams, curve)
+    return max(max(secs), (sum(secs) + hop_s * len(secs)) / max(1, streams))
 
 
 HELD_SLACK = 0.10  # a split already exported is kept when this close to the best one
@@ -391,6 +408,7 @@ def prefer_held(
     hop_s: float = 0.002,
     home: str | None = None,
     min_nodes: int = 1,
+    batch_curve: Curve | None = None,
 ) -> Plan:
     """``plan``, or a split already exported (``held``: their layer ranges) when it serves within
         ``slack`` of the plan's time per token (``max(bottleneck, cycle / streams)``, as planned): an
@@ -408,7 +426,7 @@ def prefer_held(
     others = [n.name for n in sorted(usable, key=lambda n: (-n.speed, n.name)) if n.name not in plan.nodes]
     pool = [*plan.nodes, *others]
     least = max(1, min(min_nodes, len(usable)))
-    limit = max(plan.bottleneck_s, plan.cycle_s / max(1, streams)) * (1 + slack) + 1e-15
+    limit = token_s(plan.stages, hop_s, streams, batch_curve) * (1 + slack) + 1e-15
     found: list[tuple[float, Plan]] = []
     for ranges in held:
         k = len(ranges)
@@ -421,7 +439,7 @@ def prefer_held(
             if p is None:
                 continue
             cycle = p.cycle_s + hop_s * k
-            score = max(p.bottleneck_s, cycle / max(1, streams))
+            score = token_s(p.stages, hop_s, streams, batch_curve)
             if score <= limit:
                 found.append((score, Plan(p.stages, p.bottleneck_s, cycle)))
     if not found:

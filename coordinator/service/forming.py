@@ -21,6 +21,8 @@ from agent.export.held import FetchError
 from agent.models.registry import REGISTRY
 from agent.models.store import LocalModel, ModelStore
 from agent.security.transport import Transport
+from coordinator.planning.batch_cost import Curve
+from coordinator.planning.calibration import CalibrationStore
 from coordinator.planning.planner import Plan, PlanError, StagePlan, footprint, plan_pipeline, prefer_held
 from coordinator.service.held import copy_export, held_exports, held_splits, model_for
 from coordinator.service.preparing import Preparer
@@ -87,10 +89,13 @@ class Forming:
         fp = await asyncio.to_thread(lambda: footprint(model.config(), weights, streams=self.streams))
         offers = [m.offer for m in members]
         home = self.home(members)
-        plan = plan_pipeline(fp, offers, streams=self.streams, min_nodes=self.min_nodes, home=home)
+        curve = await asyncio.to_thread(_batch_curve, model.name, weights)
+        plan = plan_pipeline(fp, offers, streams=self.streams, min_nodes=self.min_nodes, home=home, batch_curve=curve)
         held = await asyncio.to_thread(held_splits, model.name, weights)
         # an export at hand beats a marginally faster split
-        chosen = prefer_held(fp, offers, plan, held, streams=self.streams, home=home, min_nodes=self.min_nodes)
+        chosen = prefer_held(
+            fp, offers, plan, held, streams=self.streams, home=home, min_nodes=self.min_nodes, batch_curve=curve
+        )
         if chosen is not plan:
             log.info("a split exported before is about as fast: %s instead of %s", chosen.ranges, plan.ranges)
         return Formed(model, weights, fp, members, chosen)
@@ -133,13 +138,18 @@ class Forming:
         """The plan for the members heard now (None: none fits; the plan running stays)."""
         home = self.home(members)
         offers = [m.offer for m in members]
+        curve = await asyncio.to_thread(_batch_curve, model, weights)
         try:
-            plan = plan_pipeline(fp, offers, streams=self.streams, min_nodes=self.min_nodes, home=home)
+            plan = plan_pipeline(
+                fp, offers, streams=self.streams, min_nodes=self.min_nodes, home=home, batch_curve=curve
+            )
         except PlanError as e:
             log.warning("membership changed but no plan fits: %s", e)
             return None
         held = await asyncio.to_thread(held_splits, model, weights)
-        return prefer_held(fp, offers, plan, held, streams=self.streams, home=home, min_nodes=self.min_nodes)
+        return prefer_held(
+            fp, offers, plan, held, streams=self.streams, home=home, min_nodes=self.min_nodes, batch_curve=curve
+        )
 
     async def async_pull_weights(self, ref: str) -> LocalModel | None:
         """Adopted from an export alone: fetch the model's weights now, for the re-plans to come."""
@@ -150,3 +160,9 @@ class Forming:
         except Exception as e:
             log.warning("cannot pull %s (a re-plan onto other nodes would need it): %s", ref, e)
             return None
+
+
+def _batch_curve(model: str, weights: str) -> Curve | None:
+    """The batch curve calibration measured here for ``model`` at ``weights`` (None: the stages
+    have not run batched yet, so the plan assumes each stream steps on its own)."""
+    return CalibrationStore().curve(f"{model}|{weights}")

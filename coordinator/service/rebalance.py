@@ -10,13 +10,15 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from coordinator.planning.calibration import fit_head_layers, propose, stage_time
+from coordinator.planning.batch_cost import Curve, fit_curve
+from coordinator.planning.calibration import fit_head_layers, propose, stage_rows_ms, stage_time
 from coordinator.service.config import plan_ranges
 
 if TYPE_CHECKING:
     from coordinator.service.shared import Core
 
 log = logging.getLogger(__name__)
+BATCH_CURVE_S = 30.0  # how often the paged stages' step times by batch size are fitted
 AUTO_REBALANCE_S = 5.0  # how often the automatic rebalance looks whether the stages have measured enough
 
 
@@ -27,10 +29,31 @@ class Rebalancer:
         self.coord = coord
         self.rebalances: list[dict[str, object]] = []
         self._auto: asyncio.Task[None] | None = None
+        self._curves: asyncio.Task[None] | None = None
+        self.curve: Curve | None = None  # the last batch curve fitted here
 
     async def async_start(self) -> None:
-        """Rebalance once, as soon as every stage has timed enough steps (in the background)."""
+        """Rebalance once, as soon as every stage has timed enough steps (in the background);
+        keep the batch curve of paged stages measured meanwhile."""
         self._auto = asyncio.create_task(self._async_auto())
+        self._curves = asyncio.create_task(self._async_curves())
+
+    async def _async_curves(self) -> None:
+        while True:
+            await asyncio.sleep(BATCH_CURVE_S)
+            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
+                await self.async_batch_curve()
+
+    async def async_batch_curve(self) -> Curve | None:
+        """Fit the paged stages' step times by batch size into the batch curve the planner
+        uses for this model and weights, and store it (None: not enough measured yet)."""
+        rows = [r for r in (stage_rows_ms(st) for st in await self._async_statuses()) if r]
+        curve = fit_curve(rows)
+        if curve is not None and curve != self.curve:
+            self.curve = curve
+            self.coord.calibration.update_curve(self.coord.cfg.calib_key, curve)
+            log.info("measured batch curve (step time against one row's): %s", curve)
+        return curve
 
     async def _async_auto(self) -> None:
         while True:
@@ -82,8 +105,9 @@ class Rebalancer:
         return decision
 
     async def async_stop(self) -> None:
-        task, self._auto = self._auto, None
-        if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        for task in (self._auto, self._curves):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._auto = self._curves = None

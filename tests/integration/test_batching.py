@@ -8,6 +8,7 @@ wire and KV (``exact_config``), so that every comparison is token for token.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import urllib.error
@@ -26,6 +27,7 @@ from coordinator.ring.pipeline import PipelineError
 from coordinator.service.coordinator import Coordinator
 from coordinator.speculative.decoding import SpecCounters
 from tests.support.exact import exact_config
+from tests.support.figures import report
 from tests.support.wait import async_wait_until
 
 TEXTS = [
@@ -285,3 +287,35 @@ def test_a_shared_prompt_head_is_computed_once_and_changes_no_answer(
     plain_seq, plain_par, none = aio.run(_with_coordinator(smollm2, ring2.nodes, job, prefix_cache=False))
     assert cached_seq == plain_seq and cached_par == plain_par == plain_seq
     assert none == 0.0 and hit_rate > 0.5, "most prompt tokens came from cached heads"
+
+
+def test_stages_time_their_steps_by_batch_size_and_the_coordinator_keeps_the_curve(
+    ring2: LocalCluster, smollm2: Any, prompts: list[tuple[int, ...]], tmp_path: Any
+) -> None:
+    """A paged stage reports its median step time per batch size; the coordinator fits the
+    batch curve the planner uses (a step of many rows against one row) and stores it for this
+    model and weights."""
+    from coordinator.planning.calibration import CalibrationStore
+
+    async def main() -> Any:
+        coord = Coordinator(exact_config(smollm2, ring2.nodes[:1], next(_terms), failover=False))
+        coord.calibration = CalibrationStore(tmp_path / "calibration.json")
+        await coord.async_start()
+        try:
+            b = coord.scheduler
+            assert isinstance(b, Batcher)
+            for p in prompts[:2]:  # one row a step
+                await _one(b, p, 0)
+            for users in (4, 8):  # about that many rows a step
+                await asyncio.gather(*[_one(b, p, 0) for p in prompts[:users]])
+            return await coord.rebalancer.async_batch_curve(), coord.cfg.calib_key
+        finally:
+            await coord.async_stop()
+
+    curve, key = aio.run(main())
+    rows = _node(ring2.nodes[0])["stage"]["step_ms_by_rows"]
+    assert {"1", "4", "8"} <= set(rows), rows
+    assert curve is not None and curve[0] == (1, 1.0), curve
+    assert all(g0 <= g1 for (_, g0), (_, g1) in itertools.pairwise(curve)), curve
+    assert CalibrationStore(tmp_path / "calibration.json").curve(key) == curve
+    report(f"batch curve of a SmolLM2 stage (rows, step time against one row's): {curve}")

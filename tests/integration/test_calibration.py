@@ -104,6 +104,19 @@ def test_the_store_keeps_the_latest_fit_and_shrugs_off_a_bad_file(tmp_path: Path
     assert s.get("m|int4") is None  # re-measured next time rather than failing to plan
 
 
+def test_the_store_keeps_a_batch_curve_beside_the_head_fit(tmp_path: Path) -> None:
+    s = CalibrationStore(tmp_path / "calibration.json")
+    assert s.curve("m|int4") is None
+    s.update("m|int4", 6.5)
+    s.update_curve("m|int4", ((1, 1.0), (2, 1.3), (8, 3.6)))
+    again = CalibrationStore(s.path)
+    assert again.curve("m|int4") == ((1, 1.0), (2, 1.3), (8, 3.6)) and again.get("m|int4") == 6.5
+    assert again.get("m|int4|batch") is None  # a curve is not a head fit
+    for bad in ("[[2, 1.3], [8, 3.6]]", "[[1, 1.0], [8, 3.6], [4, 2.0]]", '"steep"', "[[1, 1.0], [2]]"):
+        s.path.write_text('{"m|int4|batch": ' + bad + "}")
+        assert s.curve("m|int4") is None, bad  # planned per stream rather than on a bad curve
+
+
 _terms = itertools.count(1)
 
 

@@ -393,3 +393,31 @@ def test_a_held_split_that_a_node_cannot_hold_is_not_taken() -> None:
     assert bigger_middle != plan.ranges  # (b's stage one layer longer: more than b holds)
     assert fixed_plan(FP, small, plan.nodes, bigger_middle) is None
     assert prefer_held(FP, small, plan, [bigger_middle], streams=8, hop_s=0.001).ranges == plan.ranges
+
+
+# ---- batching rings: the measured batch curve decides how many nodes pay ---------------------
+
+FLAT = ((1, 1.0), (4, 1.1), (8, 1.2), (16, 1.5))  # a memory-bound device: rows nearly free
+STEEP = ((1, 1.0), (4, 3.8), (8, 7.5), (16, 15.0))  # compute-bound: a row costs almost a step
+
+
+@pytest.mark.parametrize(
+    ("curve", "users", "nodes"),
+    [
+        (None, 8, 3),  # per stream: many streams keep every node busy
+        (FLAT, 8, 1),  # one node batching 8 users does it all; hops would only add
+        (FLAT, 1, 1),
+        (STEEP, 8, 3),  # batching saves little: the work is spread
+        (STEEP, 16, 3),
+        (STEEP, 1, 1),  # one user gains nothing from more nodes
+    ],
+)
+def test_the_batch_curve_decides_how_many_nodes_pay(
+    curve: tuple[tuple[int, float], ...] | None, users: int, nodes: int
+) -> None:
+    offers = [_o("a", 8), _o("b", 8), _o("c", 8)]
+    plan = plan_pipeline(FP, offers, streams=users, hop_s=0.001, batch_curve=curve)
+    assert len(plan.nodes) == nodes
+    # a split already exported is judged on the same model
+    held = prefer_held(FP, offers, plan, [[(0, 5), (5, 10)]], streams=users, hop_s=0.001, batch_curve=curve)
+    assert held.ranges in (plan.ranges, [(0, 5), (5, 10)])
