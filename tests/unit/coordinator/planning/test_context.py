@@ -2,23 +2,13 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from agent.cluster.offers import NodeOffer
 from agent.runtime.kv_budget import KV_MOST, MIB, kv_pool_bytes
 from coordinator.planning.context import cluster_context, plan_context
 from coordinator.planning.planner import Plan, StagePlan, footprint
+from tests.support.configs import QWEN05
 
 GIB = 1 << 30
-QWEN05 = SimpleNamespace(
-    hidden_size=896,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    vocab_size=151936,
-    head_dim=64,
-)
 FP = footprint(QWEN05, "int4")
 
 

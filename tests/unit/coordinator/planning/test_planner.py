@@ -192,18 +192,9 @@ def test_plan_declines_and_says_what_is_missing() -> None:
 
 
 def test_footprint_of_a_real_config() -> None:
-    from types import SimpleNamespace
+    from tests.support.configs import QWEN05
 
-    qwen05 = SimpleNamespace(
-        hidden_size=896,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        vocab_size=151936,
-        head_dim=64,
-    )
-    fp = footprint(qwen05, "int4", streams=1, context=1024)
+    fp = footprint(QWEN05, "int4", streams=1, context=1024)
     weights = 24 * fp.layer_bytes + fp.head_bytes
     assert 200 * MB < weights < 400 * MB  # Qwen2.5-0.5B at INT4: about 0.3 GB of weights
     assert fp.head_bytes > 5 * fp.layer_bytes  # its lm_head weighs as much as several layers
