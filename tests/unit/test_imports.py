@@ -1,5 +1,5 @@
 """Every module imports on its own, in a fresh interpreter (no module works only because another
-was imported first), and every package a user would look for is where the README's layout says."""
+was imported first)."""
 
 from __future__ import annotations
 
