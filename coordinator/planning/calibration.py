@@ -115,13 +115,28 @@ class CalibrationStore:
         self._write(data)
 
 
+def calib_key(model: str, weights: str) -> str:
+    """Under which key the measurements of ``model`` at ``weights`` are stored."""
+    return f"{model}|{weights}"
+
+
+def _stage_status(status: Any) -> StageStatus | None:
+    """The stage part of an agent's ``/v1/node``: a daemon's
+    (:class:`~agent.protocol.status.NodeStatus`, its ``stage``) or a bare stage agent's (the
+    :class:`~agent.protocol.status.StageStatus` itself); None when it is unreadable."""
+    try:
+        daemon = isinstance(status, dict) and "node" in status
+        return NodeStatus.parse(status).stage if daemon else StageStatus.parse(status)
+    except ProtocolError as e:
+        log.debug("calibration: an unreadable stage status: %s", e)
+        return None
+
+
 def stage_rows_ms(status: Any) -> dict[int, float] | None:
     """A paged stage's median step time by batch size, from an agent's ``/v1/node`` (None:
     a stateful stage, none measured yet, or an unreadable answer)."""
-    try:
-        daemon = isinstance(status, dict) and "node" in status
-        st = NodeStatus.parse(status).stage if daemon else StageStatus.parse(status)
-    except ProtocolError:
+    st = _stage_status(status)
+    if st is None:
         return None
     return st.step_ms_by_rows or None
 
@@ -150,15 +165,11 @@ def propose(
 
 
 def stage_time(status: Any) -> StageTime | None:
-    """A stage's layers and median step from an agent's ``/v1/node``: a daemon's
-    (:class:`~agent.protocol.status.NodeStatus`, its ``stage``) or a bare stage agent's (the
-    :class:`~agent.protocol.status.StageStatus` itself). None while it has measured too few steps,
-    serves nothing, or answers something unreadable (it is asked again later)."""
-    try:
-        daemon = isinstance(status, dict) and "node" in status
-        st = NodeStatus.parse(status).stage if daemon else StageStatus.parse(status)
-    except ProtocolError as e:
-        log.debug("calibration: an unreadable stage status: %s", e)
+    """A stage's layers and median step from an agent's ``/v1/node`` (:func:`_stage_status`).
+    None while it has measured too few steps, serves nothing, or answers something unreadable
+    (it is asked again later)."""
+    st = _stage_status(status)
+    if st is None:
         return None
     if st.frames < MIN_FRAMES or st.layers is None or st.stage is None or st.stages is None or st.step_ms_p50 is None:
         return None

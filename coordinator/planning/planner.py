@@ -130,13 +130,8 @@ class Footprint:
         )
 
     def stage_bytes(self, start: int, end: int) -> int:
-        n = self.costs.n_layers
-        b = (end - start) * (self.layer_bytes + self.kv_bytes_per_layer) + self.runtime_bytes
-        if start == 0:
-            b += self.embed_bytes
-        if end == n:
-            b += self.head_bytes
-        return b
+        """Its weights, the KV of its layers and the runtime."""
+        return self.weight_bytes(start, end) + (end - start) * self.kv_bytes_per_layer + self.runtime_bytes
 
     def total_bytes(self, stages: int = 1) -> int:
         n = self.costs.n_layers

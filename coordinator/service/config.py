@@ -13,6 +13,7 @@ from agent.export.exporter import ExportOptions
 from agent.models.store import LocalModel
 from agent.security.transport import Transport
 from coordinator.api.limits import Limits
+from coordinator.planning.calibration import calib_key
 from coordinator.planning.planner import balanced_split, model_costs, split_from_cuts
 from coordinator.service.preparing import Preparer
 
@@ -68,7 +69,7 @@ class ServeConfig:
     @property
     def calib_key(self) -> str:
         """Under which key the measured head cost of this model and these weights is stored."""
-        return f"{self.model.name}|{self.opts.weights}"
+        return calib_key(self.model.name, self.opts.weights)
 
 
 def plan_ranges(

@@ -22,7 +22,7 @@ from agent.models.registry import REGISTRY
 from agent.models.store import LocalModel, ModelStore
 from agent.security.transport import Transport
 from coordinator.planning.batch_cost import Curve
-from coordinator.planning.calibration import CalibrationStore
+from coordinator.planning.calibration import CalibrationStore, calib_key
 from coordinator.planning.planner import Plan, PlanError, StagePlan, footprint, plan_pipeline, prefer_held
 from coordinator.service.held import copy_export, held_exports, held_splits, model_for
 from coordinator.service.preparing import Preparer
@@ -165,4 +165,4 @@ class Forming:
 def _batch_curve(model: str, weights: str) -> Curve | None:
     """The batch curve calibration measured here for ``model`` at ``weights`` (None: the stages
     have not run batched yet, so the plan assumes each stream steps on its own)."""
-    return CalibrationStore().curve(f"{model}|{weights}")
+    return CalibrationStore().curve(calib_key(model, weights))
