@@ -14,7 +14,10 @@ policy preempts, is closed on every stage and becomes a prompt of its tokens so 
 recomputed, and greedy and seeded sampling (a function of the position) give the same tokens.
 After a node is lost the same holds for every stream, on the re-planned pipeline.
 
-With a draft configured, a stream's decode part is a verify of its drafts (:mod:`.drafts`).
+The parts around this shell: a new request passes the admission gate (:mod:`.admission_gate`)
+first; failed parts and a broken pipeline are :mod:`.recovery`'s; each stream's own state and
+its next part are :mod:`.streams`'; with a draft configured, a stream's decode part is a verify
+of its drafts (:mod:`.drafts`).
 """
 
 from __future__ import annotations
@@ -26,28 +29,19 @@ import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from agent.protocol import BatchIds
-from agent.protocol.batch import MAX_PARTS, Part
+from agent.protocol.batch import MAX_PARTS
 from agent.runtime.blocks import blocks_for
+from coordinator.batching.admission_gate import AdmissionGate
 from coordinator.batching.drafts import BatchDrafter
-from coordinator.batching.microbatch import (
-    JOIN,
-    QUEUE,
-    TOO_LONG,
-    Plan,
-    QueueState,
-    RingState,
-    SchedState,
-    admit,
-    next_batch,
-)
+from coordinator.batching.microbatch import Plan, RingState, SchedState, next_batch
 from coordinator.batching.prefix import PrefixCache
-from coordinator.batching.scheduler import MAX_RECOVERIES, RECOVERABLE, GenRequest
+from coordinator.batching.recovery import Recovery
+from coordinator.batching.scheduler import GenRequest
 from coordinator.batching.streams import Flight, Stream
 from coordinator.ring.pipeline import Pipeline, PipelineError, RingCapacity
 from coordinator.speculative.decoding import SpecConfig
 
 log = logging.getLogger(__name__)
-MAX_RESETS = 4  # times one stream is recomputed after its parts failed, before its request fails
 QUEUE_LIMIT = 64  # requests waiting for blocks or a stream slot before the API answers 503
 MAX_PLANS = 64  # micro-batches planned in one go (the policy stops far sooner)
 
@@ -70,7 +64,6 @@ class Batcher:
         self.queue_limit = queue_limit
         self.drafter = BatchDrafter(spec) if spec is not None else None
         self.speculator = None  # the per-stream path's (its K policy does not apply to batches)
-        self.recover: Callable[[Pipeline], Awaitable[None]] | None = None
         self.tokens_out = 0
         self.replays = 0  # streams recomputed after a failover, a failed part or a preemption
         self.batches_sent = 0
@@ -82,11 +75,21 @@ class Batcher:
         self._seqs = itertools.count(1)
         self._wake = asyncio.Event()
         self._pump: asyncio.Task[None] | None = None
-        self._recovering = False
-        self._recovery: asyncio.Task[None] | None = None
         self._cap: RingCapacity | None = None
-        self._finished: list[float] = []  # when recent requests finished (the admission's rate)
+        self._gate = AdmissionGate()
+        self._recovery = Recovery(
+            self._streams, lambda: self.pipeline, lambda s: self._restart(s, close=True), self._fail, self._poke
+        )
         self._attach(pipeline)
+
+    @property
+    def recover(self) -> Callable[[Pipeline], Awaitable[None]] | None:
+        """How a broken pipeline is re-planned (the coordinator's failover; None: it is not)."""
+        return self._recovery.recover
+
+    @recover.setter
+    def recover(self, recover: Callable[[Pipeline], Awaitable[None]] | None) -> None:
+        self._recovery.recover = recover
 
     # -- what the API and the status pages read ---------------------------------------------------
     @property
@@ -137,7 +140,9 @@ class Batcher:
             raise ValueError("empty prompt")
         if req.max_tokens <= 0:
             return
-        self._admit(req)
+        refused = self.refusal(len(req.prompt))
+        if refused is not None:
+            raise refused
         s = Stream(self.pipeline.new_stream(), req, next(self._arrivals), list(req.prompt))
         s.ready_since = next(self._ticks)
         s.drafts = self.drafter.open(req) if self.drafter is not None else None
@@ -157,39 +162,19 @@ class Batcher:
         finally:
             self._finish(s)
 
-    def _admit(self, req: GenRequest) -> None:
-        no = self.refusal(len(req.prompt))
-        if no is not None:
-            raise no
-
     def refusal(self, prompt: int) -> PipelineError | None:
         """Why a request of ``prompt`` tokens cannot be taken now (None: it can): the admission
         queue is full (``overloaded``, with ``retry_after``), or no pool could ever hold it."""
         cap = self._capacity()
-        q = QueueState(
-            prompt=prompt,
+        return self._gate.refusal(
+            prompt,
+            cap,
             waiting=self.waiting,
             started=self.active,
             free_blocks=self._free(cap),
-            total_blocks=cap.total_blocks,
-            block_size=cap.block_size,
             max_streams=self.max_streams,
-            finished_per_s=self._finish_rate(),
+            limit=self.queue_limit,
         )
-        verdict = admit(q, self.queue_limit)
-        if verdict.verdict == TOO_LONG:
-            return PipelineError(verdict.reason, "context_length_exceeded")
-        if verdict.verdict not in (JOIN, QUEUE):
-            return PipelineError(verdict.reason, "overloaded", retry_after=verdict.retry_after_s)
-        return None
-
-    def _finish_rate(self) -> float:
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        self._finished = [t for t in self._finished if now - t < 60.0]
-        if len(self._finished) < 2:
-            return 0.0
-        return len(self._finished) / max(1.0, now - self._finished[0])
 
     def _capacity(self) -> RingCapacity:
         cap = self._cap or self.pipeline.capacity()
@@ -211,13 +196,8 @@ class Batcher:
         if s.drafts is not None and self.drafter is not None:
             self.drafter.close(s.drafts)
         self._streams.pop(s.name, None)
-        self._finished.append(asyncio.get_running_loop().time())
-        if s.in_flight is not None:
-            f = self._flights.get(s.in_flight)
-            if f is not None:
-                f.streams.pop(s.name, None)
-                if not f.streams:
-                    self._flights.pop(s.in_flight, None)
+        self._gate.finished()
+        self._leave_flight(s)
         if s.started:
             closes = [s.name]
             if keep and self.prefix is not None and s.in_flight is None and not s.fork_pending:
@@ -226,6 +206,21 @@ class Batcher:
                 self.pipeline.close_stream_nowait(name)
         s.unfork(self.prefix)
         self._poke()
+
+    def _leave_flight(self, s: Stream) -> None:
+        """``s`` no longer waits for its micro-batch's answer; a micro-batch that no stream waits
+        for any more is forgotten (if its answer still comes, it is dropped)."""
+        if s.in_flight is not None:
+            f = self._flights.get(s.in_flight)
+            if f is not None:
+                f.streams.pop(s.name, None)
+                if not f.streams:
+                    self._flights.pop(s.in_flight, None)
+
+    def _fail(self, s: Stream, err: PipelineError) -> None:
+        """The request fails with ``err`` (its client sees it)."""
+        s.out.put_nowait(err)
+        self._finish(s)
 
     # -- the pump -----------------------------------------------------------------------------------
     def _ensure_pump(self) -> None:
@@ -239,12 +234,12 @@ class Batcher:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if self._recovering:
+            if self._recovery.busy:
                 continue
             try:
                 self._plan_all()
             except PipelineError as e:
-                self._start_recovery(e)
+                self._recovery.lost(e)
             except Exception as e:  # a bug here must not wedge every request: fail them, say why
                 log.exception("micro-batch scheduler failed")
                 for s in list(self._streams.values()):
@@ -285,11 +280,8 @@ class Batcher:
 
     def _apply(self, plan: Plan) -> None:
         for name in plan.too_long:
-            s = self._streams[name]
-            s.out.put_nowait(
-                PipelineError("the answer no longer fits the cluster's KV cache", "context_length_exceeded")
-            )
-            self._finish(s)
+            err = PipelineError("the answer no longer fits the cluster's KV cache", "context_length_exceeded")
+            self._fail(self._streams[name], err)
         for name in plan.preempt:
             log.info("preempting stream %s: its blocks go to an older one", name)
             self._restart(self._streams[name], close=True)
@@ -298,28 +290,8 @@ class Batcher:
         parts, ids, riders = [], [], {}
         for pp in plan.parts:
             s = self._streams[pp.stream]
-            start = pp.start or s.fork_pending  # (a fork is started from the policy's view)
-            if pp.start:
-                s.started, s.context = True, 0
-            seq = next(self._seqs)
-            if start:
-                s.first_seq = seq
-            fork = s.fork if s.fork_pending else None
-            s.fork_pending = False
-            part = Part(
-                pp.stream, seq, pp.n, start, pp.rollback, pp.logits, s.req.sampling, fork, s.fork_len if fork else 0
-            )
-            at = s.kept
-            rows = s.tokens[at : at + pp.n]
-            s.sent_drafts = []
-            if pp.drafts and s.drafts is not None:  # a verify: its last token, then its drafts
-                s.sent_drafts = s.drafts.proposal[: pp.drafts]
-                rows = rows[:1] + s.sent_drafts
-                s.drafts.proposal = []
+            part, rows = s.take(pp, next(self._seqs))
             ids += rows
-            s.context, s.rollback = at + pp.n, 0
-            s.blocks = pp.blocks
-            s.part = part
             parts.append(part)
             riders[s.name] = s
         fut = self.pipeline.send_batch(parts, ids)
@@ -334,11 +306,7 @@ class Batcher:
         """Start ``s`` over from its tokens so far (its stages' state is gone or wrong)."""
         if close and s.started and not s.fork_pending:
             self.pipeline.close_stream_nowait(s.name)
-        s.unfork(self.prefix)
-        s.started, s.context, s.blocks, s.in_flight, s.part = False, 0, 0, None, None
-        s.rollback, s.sent_drafts = 0, []
-        if s.drafts is not None:
-            s.drafts.proposal = []
+        s.reset(self.prefix)
         s.ready_since = next(self._ticks)
         self.replays += 1
 
@@ -350,7 +318,7 @@ class Batcher:
         exc = fut.exception()
         if exc is not None:
             self._poke()
-            self._start_recovery(exc if isinstance(exc, PipelineError) else PipelineError(str(exc)))
+            self._recovery.lost(exc if isinstance(exc, PipelineError) else PipelineError(str(exc)))
             return
         got = fut.result().tokens_of()
         tick = next(self._ticks)
@@ -361,7 +329,7 @@ class Batcher:
                 continue
             toks = got.get(s.name)
             if toks is None or len(toks) != part.logits:  # its part failed on a stage (the error says why)
-                self._failed(s, PipelineError("a stage dropped its part", "part_failed"))
+                self._recovery.part_failed(s, PipelineError("a stage dropped its part", "part_failed"))
                 continue
             self._deliver(s, self._confirmed(s, toks))
             if not s.done and s.drafts is not None and self.drafter is not None:
@@ -399,61 +367,14 @@ class Batcher:
         s = self._streams.get(stream)
         if s is None or (seq is not None and seq < s.first_seq):
             return  # a stream that ended, or a part from before its last start
-        if s.in_flight is not None:
-            f = self._flights.get(s.in_flight)
-            if f is not None:
-                f.streams.pop(s.name, None)
-                if not f.streams:  # no part of it got through: no answer will come
-                    self._flights.pop(s.in_flight, None)
-        self._failed(s, err)
+        self._leave_flight(s)
+        self._recovery.part_failed(s, err)
         self._poke()
 
-    def _failed(self, s: Stream, err: PipelineError) -> None:
-        if err.code in ("node_lost", "stale_term", "paused"):
-            return  # the pipeline is going: failover starts every stream over
-        s.resets += 1
-        if s.resets > MAX_RESETS:
-            s.out.put_nowait(err)
-            self._finish(s)
-            return
-        log.info("stream %s starts over after a failed part: %s", s.name, err)
-        self._restart(s, close=True)
-
-    def _start_recovery(self, err: PipelineError) -> None:
-        if self._recovering:
-            return
-        self._recovering = True
-        self._recovery = asyncio.get_running_loop().create_task(self._lost(err))
-
-    async def _lost(self, err: PipelineError) -> None:
-        """The pipeline broke: re-plan (through ``recover``), then every stream starts over on the
-        new one; without a way to recover, every request fails with the error."""
-        failed = self.pipeline
-        try:
-            ok = self.recover is not None and (err.code in RECOVERABLE or failed.lost is not None)
-            for _ in range(MAX_RECOVERIES if ok else 0):
-                try:
-                    assert self.recover is not None
-                    await self.recover(failed)
-                except PipelineError as e:
-                    err = e
-                    break
-                if self.pipeline is not failed:
-                    break
-            if self.pipeline is failed or not ok:
-                for s in list(self._streams.values()):
-                    s.out.put_nowait(err)
-                    self._finish(s)
-                return
-            log.warning("micro-batching resumes on the re-planned pipeline (%d streams)", len(self._streams))
-        finally:
-            self._recovering = False
-            self._poke()
-
     def shutdown(self) -> None:
-        for t in (self._pump, self._recovery):
-            if t is not None:
-                t.cancel()
+        if self._pump is not None:
+            self._pump.cancel()
+        self._recovery.shutdown()
         if self.drafter is not None:
             self.drafter.shutdown()
         for s in list(self._streams.values()):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from agent.protocol import BatchIds
 from agent.protocol.batch import Part
 from coordinator.batching.drafts import Drafts
-from coordinator.batching.microbatch import StreamState
+from coordinator.batching.microbatch import PartPlan, StreamState
 from coordinator.batching.prefix import PrefixCache
 from coordinator.batching.scheduler import GenRequest
 
@@ -65,6 +65,40 @@ class Stream:
         """Offer the finished stream's KV as a cached head: the streams to close on the stages
         (itself, when it adds no head, and entries evicted to make room)."""
         return cache.add(self.name, self.tokens[: self.kept], self.blocks - self.shared, parent=self.fork)
+
+    # -- micro-batches ----------------------------------------------------------------------
+    def take(self, pp: PartPlan, seq: int) -> tuple[Part, list[int]]:
+        """Its part of the next micro-batch as the policy planned it, numbered ``seq``, and the
+        part's rows: prompt tokens, its last token, or (a verify) its last token and its drafts."""
+        start = pp.start or self.fork_pending  # (a fork is started from the policy's view)
+        if pp.start:
+            self.started, self.context = True, 0
+        if start:
+            self.first_seq = seq
+        fork = self.fork if self.fork_pending else None
+        self.fork_pending = False
+        part = Part(
+            pp.stream, seq, pp.n, start, pp.rollback, pp.logits, self.req.sampling, fork, self.fork_len if fork else 0
+        )
+        at = self.kept
+        rows = self.tokens[at : at + pp.n]
+        self.sent_drafts = []
+        if pp.drafts and self.drafts is not None:  # a verify: its last token, then its drafts
+            self.sent_drafts = self.drafts.proposal[: pp.drafts]
+            rows = rows[:1] + self.sent_drafts
+            self.drafts.proposal = []
+        self.context, self.rollback = at + pp.n, 0
+        self.blocks = pp.blocks
+        self.part = part
+        return part, rows
+
+    def reset(self, cache: PrefixCache | None) -> None:
+        """Forget what its stages held: it starts over from its tokens so far."""
+        self.unfork(cache)
+        self.started, self.context, self.blocks, self.in_flight, self.part = False, 0, 0, None, None
+        self.rollback, self.sent_drafts = 0, []
+        if self.drafts is not None:
+            self.drafts.proposal = []
 
     def state(self) -> StreamState | None:
         """As the policy sees it; None while it drafts (it sits this micro-batch out)."""
