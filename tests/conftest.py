@@ -97,9 +97,12 @@ def int4_exports(smollm2, export_root: Path) -> dict[int, Path]:  # type: ignore
 def served3(smollm2) -> Iterator[Served]:  # type: ignore[no-untyped-def]
     """3 agents + coordinator, f32 activations and wire (exactly comparable), INT8 weights; the
     last stage always splits a lone stream's head with stage 0 (SmolLM2's head is too small for
-    that to pay on every machine, so ``auto`` might not), so every test here covers that path."""
+    that to pay on every machine, so ``auto`` might not), so every test here covers that path.
+    Stateful stages (the head split, and the per-stream path these tests name, are theirs)."""
     s = Served(
-        3, "--model", "smollm2-135m", "--weights", "int8", "--exact", "--streams", "4", agent_args=["--head-help", "on"]
+        3,
+        *("--model", "smollm2-135m", "--weights", "int8", "--exact", "--streams", "4"),
+        agent_args=["--head-help", "on", "--attention", "stateful"],
     )
     yield s
     s.stop()

@@ -59,9 +59,9 @@ def add_commands(commands: Commands) -> None:
     ag.add_argument(
         "--attention",
         choices=["auto", "paged", "stateful"],
-        help="how this agent's stage attends: stateful (one inference per stream; the default for now), paged "
-        "(PagedAttention over a KV block pool: many streams in one inference) or auto (paged where the device "
-        "runs it); default: LAKESHARD_ATTENTION, else serve.attention in the settings, else stateful",
+        help="how this agent's stage attends: auto (paged where the device runs it: CPU, GPU), paged "
+        "(PagedAttention over a KV block pool: many streams in one inference) or stateful (one inference per "
+        "stream); default: LAKESHARD_ATTENTION, else serve.attention in the settings, else auto",
     )
     ag.add_argument(
         "--throttle",

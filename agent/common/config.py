@@ -32,10 +32,11 @@ halfway through start-up. Example::
                                          # are available (keeps each laptop's share small)
       api_rate: 0                        # requests per minute per client (0: unlimited, the default)
       api_concurrency: 0                 # requests in flight per client (0: unlimited, the default)
-      attention: stateful                # how this laptop's stage attends: stateful (the default for
-                                         # now), paged (PagedAttention over a KV block pool, many
-                                         # streams per infer call) or auto (paged where the device
-                                         # runs it); LAKESHARD_ATTENTION and --attention override it
+      attention: auto                    # how this laptop's stage attends: auto (the default: paged
+                                         # where the device runs PagedAttention, CPU and GPU, else
+                                         # stateful), paged (a KV block pool, many streams per infer
+                                         # call) or stateful (one InferRequest per stream, the NPU's
+                                         # path); LAKESHARD_ATTENTION and --attention override it
 """
 
 from __future__ import annotations
@@ -186,12 +187,12 @@ KNOWN = {
 LOG_LEVELS = ("debug", "info", "warning", "error")
 WEIGHTS = ("fp32", "fp16", "int8", "int4")
 ATTENTION = ("auto", "paged", "stateful")
-DEFAULT_ATTENTION = "stateful"  # until the coordinator sends micro-batches (issue 39)
+DEFAULT_ATTENTION = "auto"  # paged where the device runs it (agent.runtime.paged.attention_path)
 
 
 def attention_setting(cli: str | None, settings: Settings, env: Mapping[str, str] = os.environ) -> str:
     """How this agent's stage attends: ``--attention``, else ``LAKESHARD_ATTENTION``, else the
-    settings' ``serve.attention``, else stateful. A bad environment value is a ConfigError."""
+    settings' ``serve.attention``, else auto. A bad environment value is a ConfigError."""
     if cli:
         return cli
     v = env.get("LAKESHARD_ATTENTION", "").strip().lower()

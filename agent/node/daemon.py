@@ -109,7 +109,7 @@ class DaemonOptions:
     threads: int | None = None
     spin_ms: float = 50.0
     head_help: str = "auto"  # "auto", "on" or "off"
-    attention: str = "stateful"  # how its stage attends: "auto", "paged" or "stateful" (config.attention_setting)
+    attention: str = "auto"  # how its stage attends: "auto", "paged" or "stateful" (config.attention_setting)
     standalone: bool = False
     throttle: bool = True  # follow the throttle policy (settings: throttle.enabled); off for local clusters
     insecure: bool = False  # plaintext node links (never without it: no credentials is an error)

@@ -57,10 +57,10 @@ class StageHost:
         threads: int | None = None,
         spin_ms: float = 50.0,
         head_help: str = "auto",
-        attention: str = "stateful",
+        attention: str = "auto",
     ) -> None:
-        """``attention``: how its stages attend, ``stateful``, ``paged`` or ``auto`` (paged where
-        the device runs PagedAttention); a stage that cannot run paged runs stateful (logged,
+        """``attention``: how its stages attend, ``auto`` (paged where the device runs
+        PagedAttention: CPU and GPU), ``paged`` or ``stateful``; a stage that cannot run paged runs stateful (logged,
         and said in the status). A paged stage's KV pool holds ``LAKESHARD_KV_BLOCKS`` blocks
         when set (tests), else ``LAKESHARD_KV_MEMORY`` MiB, else its share of the memory free
         when it is compiled (:mod:`agent.runtime.kv_budget`)."""

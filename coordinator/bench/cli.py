@@ -83,6 +83,12 @@ def add_bench(commands: Commands) -> None:
     me.add_argument("--weights", choices=["fp32", "fp16", "int8", "int4"])
     me.add_argument("--streams", type=positive_int, default=4)
     me.add_argument("--prompt-tokens", type=positive_int, default=1024)
+    me.add_argument(
+        "--attention",
+        type=_attentions,
+        default=["stateful", "paged"],
+        help="the stage's attention, each measured in its own agent (default: stateful,paged)",
+    )
     me.add_argument("--random-weights", action="store_true")
     me.add_argument("--json", action="store_true")
     fo = bsub.add_parser("failover", help="pause and lost text when a stage agent or the coordinator dies mid-answer")
@@ -164,6 +170,15 @@ def add_bench(commands: Commands) -> None:
     sp.add_argument("--no-genai", action="store_true", help="skip the OpenVINO GenAI comparison")
     sp.add_argument("--json", action="store_true")
     par.add_argument("--json", action="store_true", help="print only the JSON result line on stdout")
+
+
+def _attentions(text: str) -> list[str]:
+    """``stateful,paged``: the attentions to measure, in order, each once."""
+    out = [a.strip().lower() for a in text.split(",") if a.strip()]
+    bad = [a for a in out if a not in ("stateful", "paged")]
+    if not out or bad or len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"give stateful, paged or both, each once, not {text!r}")
+    return out
 
 
 def _bench(args: argparse.Namespace) -> int:

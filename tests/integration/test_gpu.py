@@ -213,7 +213,7 @@ def test_a_mixed_cluster_gpu_then_cpu_answers_like_the_cpu_chain(smollm2, export
         finally:
             await coord.async_stop()
 
-    with LocalCluster(2, device="GPU,CPU") as c:
+    with LocalCluster(2, device="GPU,CPU", attention="stateful") as c:  # as measured on the lent GPU
         got, devices = aio.run(go(c.nodes))
     assert devices == ["GPU", "CPU"]
     assert got == want

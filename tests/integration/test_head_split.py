@@ -54,7 +54,7 @@ def test_over_a_slow_link_the_last_stage_stops_splitting_the_head(smollm2, smoll
         finally:
             await coord.async_stop()
 
-    with LocalCluster(2) as c:  # --head-help auto, the default
+    with LocalCluster(2, attention="stateful") as c:  # --head-help auto, the default (stateful stages only)
         slow = aio.run(gen(c.nodes, 7100, 150.0))
         on_slow = _head_steps(c.nodes[1])
         fast = aio.run(gen(c.nodes, 7200, 0.0))

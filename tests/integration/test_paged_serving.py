@@ -327,3 +327,32 @@ def test_speculative_decoding_on_paged_agents_gives_the_plain_tokens(
     plain_a, plain_b, spec_a, spec_b = aio.run(go())
     assert counters.rounds > 0 and counters.accepted < counters.proposed  # some drafts were rolled back
     assert [spec_a, spec_b] == [plain_a, plain_b]
+
+
+def test_agents_left_at_their_defaults_attend_paged_and_the_coordinator_batches(
+    smollm2: Any, prompts: list[list[int]]
+) -> None:
+    """What an office gets without touching a setting: every CPU agent's stage compiles paged,
+    the coordinator batches continuously, and users asking at once share micro-batches."""
+    with LocalCluster(2, threads=1) as c:
+
+        async def go() -> tuple[list[list[int]], dict[str, float | int]]:
+            coord = Coordinator(exact_config(smollm2, c.nodes, next(_terms), max_streams=4, failover=False))
+            await coord.async_start()
+            try:
+                sched = coord.scheduler
+                assert isinstance(sched, Batcher)
+
+                async def one(prompt: list[int]) -> list[int]:
+                    return [t async for t in sched.async_generate(GenRequest(prompt=tuple(prompt), max_tokens=16))]
+
+                return list(await asyncio.gather(*[one(p) for p in prompts])), sched.summary()
+            finally:
+                await coord.async_stop()
+
+        answers, summary = aio.run(go())
+        stages = [_stage(n) for n in c.nodes]
+    assert [s["attention"] for s in stages] == ["paged", "paged"]
+    assert all(s["kv_pool_mb"] > 0 for s in stages)
+    assert all(len(a) == 16 for a in answers)
+    assert summary["parts_per_batch"] > 1, summary  # the users' steps shared inferences

@@ -43,7 +43,7 @@ _terms = itertools.count(1)
 def cluster(smollm2) -> Iterator[Any]:  # type: ignore[no-untyped-def]
     from coordinator.lab.local_cluster import LocalCluster
 
-    with LocalCluster(3) as c:
+    with LocalCluster(3, attention="stateful") as c:  # the per-stream speculator (auto K, ring runs)
         yield c
 
 

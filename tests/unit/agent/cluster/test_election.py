@@ -207,12 +207,12 @@ def test_the_coordinator_ring_port_is_fixed_unless_set() -> None:
     assert ring_port_for(65535) == 0 and ring_port_for(0) == 0
 
 
-def test_the_attention_setting_is_the_option_else_the_environment_else_the_file_else_stateful() -> None:
+def test_the_attention_setting_is_the_option_else_the_environment_else_the_file_else_auto() -> None:
     from agent.common.config import attention_setting
 
-    filed = parse({"serve": {"attention": "auto"}})
-    assert attention_setting(None, parse({}), env={}) == "stateful"  # the default, for now
-    assert attention_setting(None, filed, env={}) == "auto"
+    filed = parse({"serve": {"attention": "stateful"}})
+    assert attention_setting(None, parse({}), env={}) == "auto"  # the default: paged where the device runs it
+    assert attention_setting(None, filed, env={}) == "stateful"
     assert attention_setting(None, filed, env={"LAKESHARD_ATTENTION": "Paged"}) == "paged"
     assert attention_setting("stateful", filed, env={"LAKESHARD_ATTENTION": "paged"}) == "stateful"
     with pytest.raises(ConfigError, match="LAKESHARD_ATTENTION must be one of auto, paged, stateful, not 'fast'"):
