@@ -26,6 +26,7 @@ from agent.cli.args import (
 
 
 def add_commands(commands: Commands) -> None:
+    from agent.common.ports import ListenError
     from agent.export.exporter import ExportError
     from agent.models.checkpoint import CheckpointError
     from agent.runtime.device import DeviceError
@@ -33,7 +34,8 @@ def add_commands(commands: Commands) -> None:
     from coordinator.planning.planner import PlanError
     from coordinator.ring.pipeline import PipelineError
 
-    commands.user_errors += [ExportError, CheckpointError, PlanError, DeviceError, PipelineError]
+    # (a port serve cannot listen on: one line, as the agent says it)
+    commands.user_errors += [ExportError, CheckpointError, PlanError, DeviceError, PipelineError, ListenError]
     ex = commands.add("export", "export a model as pipeline-stage OpenVINO IRs", _export)
     ex.add_argument("model", help="a model name, or a path to a GGUF file / HF directory")
     add_split_args(ex, None)
@@ -208,6 +210,11 @@ def _serve(args: argparse.Namespace) -> int:
         raise CliError("--link-mbps must not be negative")
     if args.spec_k is not None and not args.draft:
         raise CliError("--spec-k needs --draft (a draft model, NAME+lookup, or lookup)")
+    from agent.common.ports import bind_error
+    from coordinator.service.coordinator import api_port_error
+
+    if args.api_port and (taken := bind_error(args.api_host, args.api_port)) is not None:
+        raise api_port_error(args.api_host, args.api_port, taken)  # at once, not after the stages are ready
     from agent.security import transport
     from agent.security.credentials import NotMember
     from agent.security.errors import SecurityError

@@ -155,8 +155,9 @@ async def _to_coordinator(request: web.Request, *, from_peer: bool) -> web.Strea
 
 
 async def async_local_api(request: web.Request) -> web.StreamResponse:
-    """``/v1/models`` and ``/v1/chat/completions`` on the local status API. A chat answer outlives
-    its coordinator: it goes on with the next one (:mod:`agent.api.resume`)."""
+    """The coordinator's API routes on the local status API. A chat answer outlives its
+    coordinator: it goes on with the next one (:mod:`agent.api.resume`); the others (models, a
+    legacy text completion) are forwarded as they are."""
     if request.method != "POST" or request.path != "/v1/chat/completions":
         return await _to_coordinator(request, from_peer=False)
     door = request.app[DOOR]
@@ -317,20 +318,30 @@ async def _relay_peer(ws: web.WebSocketResponse, t: Target, door: Door, gone: as
         await asyncio.sleep(RECHECK_S)
 
 
+# the coordinator's OpenAI-compatible routes, forwarded (a model id may hold a slash)
+API_ROUTES = (
+    ("GET", "/v1/models"),
+    ("GET", "/v1/models/{model:.+}"),
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/completions"),
+)
+
+
 def add_member_routes(app: web.Application, door: Door) -> None:
     """The coordinator's services on an agent's public port (used by other members' agents)."""
     app[DOOR] = door
     app.router.add_get("/v1/cluster/events", async_member_events)
-    app.router.add_get("/v1/models", async_member_api)
-    app.router.add_post("/v1/chat/completions", async_member_api)
+    for method, path in API_ROUTES:
+        app.router.add_route(method, path, async_member_api)
 
 
 def add_local_routes(app: web.Application, door: Door) -> None:
-    """The same on the local status API (127.0.0.1), wherever the coordinator is."""
+    """The same on the local status API (127.0.0.1), wherever the coordinator is. Added after the
+    local API's own ``/v1/models/...`` routes (``/v1/models/pulls``): the first match wins."""
     app[DOOR] = door
     app.router.add_get("/v1/cluster/events", async_relay_events)
-    app.router.add_get("/v1/models", async_local_api)
-    app.router.add_post("/v1/chat/completions", async_local_api)
+    for method, path in API_ROUTES:
+        app.router.add_route(method, path, async_local_api)
 
 
 def describe(t: Target | None) -> dict[str, Any]:

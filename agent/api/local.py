@@ -9,8 +9,9 @@
   agent's own parser before it is written (``{"settings": {...}}`` or ``{"text": "..."}``; a
   new ``serve.model`` must name a model of the registry or the store, or an existing path);
   election settings apply at once, the rest is listed under ``restart``;
-* ``GET /v1/models``, ``POST /v1/chat/completions``, ``GET /v1/cluster/events``: the
-  coordinator's, wherever it runs (:mod:`agent.api.gateway`);
+* ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/chat/completions``, ``POST
+  /v1/completions``, ``GET /v1/cluster/events``: the coordinator's, wherever it runs
+  (:mod:`agent.api.gateway`);
 * ``GET`` / ``PUT /v1/cluster/model``: the model the cluster serves (:mod:`agent.api.cluster_model`);
 * on ``lakeshard agent``, the cluster identity routes too (:mod:`agent.security.local_routes`).
 
@@ -36,6 +37,7 @@ from agent.common.config import ConfigError, Settings, config_file, load, parse
 from agent.common.http import api_error, json_errors
 from agent.common.logs import set_file_level
 from agent.common.paths import write_text_atomic
+from agent.common.ports import listen_error
 from agent.models.pulls import add_pull_routes
 from agent.protocol.control import STATES
 
@@ -72,10 +74,8 @@ async def serve_local(runners: list[web.AppRunner], app: web.Application, port: 
     try:
         await web.TCPSite(runner, "127.0.0.1", port).start()
     except OSError as e:
-        raise OSError(
-            f"the status API cannot listen on 127.0.0.1:{port} ({e.strerror or e}); "
-            "another agent may be running: give this one --api-port 0 (any free port) or another number"
-        ) from None
+        fix = "another agent may be running: give this one --api-port 0 (any free port) or another number"
+        raise listen_error("the status API", "127.0.0.1", port, e, fix) from None
     return int(runner.addresses[-1][1])
 
 
@@ -91,9 +91,9 @@ def make_local_app(daemon: Agent) -> web.Application:
     app.router.add_post("/v1/node/state", _set_state)
     app.router.add_get("/v1/settings", _get_settings)
     app.router.add_put("/v1/settings", _put_settings)
-    add_local_routes(app, daemon)
     add_model_routes(app, daemon)
     add_pull_routes(app)
+    add_local_routes(app, daemon)  # last: its /v1/models/{id} would take /v1/models/pulls
     return app
 
 

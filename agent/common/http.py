@@ -13,8 +13,11 @@ from aiohttp import web
 LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
-def api_error(status: int, message: str, code: str | None, kind: str = "server_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "code": code}}, status=status)
+def api_error(
+    status: int, message: str, code: str | None, kind: str = "server_error", param: str | None = None
+) -> web.Response:
+    """OpenAI's error object: ``param`` names the request field at fault (None: no one field)."""
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}}, status=status)
 
 
 @web.middleware

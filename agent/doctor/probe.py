@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from agent import version as lakeshard_version
+from agent.common import ports
 from agent.doctor.report import (
     ORDER,
     Check,
@@ -41,14 +42,8 @@ DOCTOR_SERVICE = "_lakeshard-dr._tcp.local."  # not the agents' service type: ru
 
 def bind_error(host: str, port: int, kind: int) -> str | None:
     """Why ``port`` cannot be bound on ``host`` (None: it can), as the agent would bind it."""
-    with socket.socket(socket.AF_INET, kind) as s:
-        if kind == socket.SOCK_STREAM and os.name != "nt":
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp's listener does
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            return e.strerror or str(e)
-    return None
+    e = ports.bind_error(host, port, kind)
+    return None if e is None else e.strerror or str(e)
 
 
 def agent_answers(api_port: int, timeout: float = 1.0) -> bool:

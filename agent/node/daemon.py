@@ -55,6 +55,7 @@ from agent.cluster.revocation_gossip import RevocationGossip
 from agent.cluster.settings_gossip import Effective, SettingsGossip, effective
 from agent.common.config import Settings
 from agent.common.paths import agent_state_dir
+from agent.common.ports import ListenError
 from agent.export import held as held_exports
 from agent.node import offering, status, views
 from agent.node.replication import ExportCopies
@@ -231,7 +232,7 @@ class AgentDaemon:
         try:
             self.me.port = await self._serve(public, self.opts.host, self.settings.port, self.transport.server_ssl)
         except OSError as e:
-            raise OSError(
+            raise ListenError(
                 f"the data port {self.opts.host}:{self.settings.port} is taken ({e.strerror or e}); another agent may "
                 "be running: give this one another --port (or 'port' in the settings)"
             ) from None

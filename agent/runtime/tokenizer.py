@@ -49,6 +49,11 @@ class ChatTokenizer:
         text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
         return self.encode(text)
 
+    def text_ids(self, text: str) -> list[int]:
+        """A raw prompt's ids (a legacy completion's: no chat template), begun as the model's
+        tokenizer begins a text (its BOS token, where it has one)."""
+        return [int(i) for i in self.tok.encode(text, add_special_tokens=True)]
+
     def encode(self, text: str) -> list[int]:
         return [int(i) for i in self.tok.encode(text, add_special_tokens=False)]
 

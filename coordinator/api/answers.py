@@ -1,12 +1,14 @@
-"""A chat completion's answer: whole (one JSON body once generation ends), or streamed as
-server-sent events, chunk by chunk, with the ids behind each chunk for an agent's gateway that
-may go on with the answer on another coordinator."""
+"""An answer, whole (one JSON body once generation ends) or streamed as server-sent events, chunk
+by chunk, in either shape: a chat completion's, or a legacy text completion's (:class:`Shape`).
+A streamed chat answer carries the ids behind each chunk for an agent's gateway that may go on
+with it on another coordinator."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -19,12 +21,44 @@ from coordinator.ring.pipeline import PipelineError
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Shape:
+    """How one kind of completion answers: the objects of its body and chunks, and its choice."""
+
+    kind: str  # "chat" or "text"
+    prefix: str  # of its id: chatcmpl- or cmpl-
+    whole_object: str
+    chunk_object: str
+
+    def choice(self, text: str, finish: str | None) -> dict[str, Any]:
+        """The one choice of a whole answer."""
+        if self.kind == "chat":
+            return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+    def delta(self, text: str | None, finish: str | None = None) -> dict[str, Any]:
+        """The one choice of a streamed chunk (chat: ``text`` None is the opening chunk's role)."""
+        if self.kind == "chat":
+            d = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
+            return {"index": 0, "delta": d, "finish_reason": finish}
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+    @property
+    def opens(self) -> bool:
+        """Whether a stream begins with a chunk of its own (a chat's, which names the role)."""
+        return self.kind == "chat"
+
+
+CHAT = Shape("chat", "chatcmpl-", "chat.completion", "chat.completion.chunk")
+TEXT = Shape("text", "cmpl-", "text_completion", "text_completion")
+
+
 def _usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 async def whole(
-    st: ApiState, ids: list[int], opts: dict[str, Any], tally: Tally, base: dict[str, Any]
+    st: ApiState, shape: Shape, ids: list[int], opts: dict[str, Any], tally: Tally, base: dict[str, Any]
 ) -> tuple[web.Response, str]:
     parts, finish = [], "stop"
     try:
@@ -39,8 +73,8 @@ async def whole(
         return resp, "error"
     body = {
         **base,
-        "object": "chat.completion",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)}, "finish_reason": finish}],
+        "object": shape.whole_object,
+        "choices": [shape.choice("".join(parts), finish)],
         "usage": _usage(len(ids), tally.completion),
         "lakeshard": tally.report(st.served_by()),
     }
@@ -50,11 +84,11 @@ async def whole(
 async def stream(
     request: web.Request,
     st: ApiState,
+    shape: Shape,
     ids: list[int],
     opts: dict[str, Any],
     tally: Tally,
     base: dict[str, Any],
-    include_usage: bool,
 ) -> tuple[web.StreamResponse, str]:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
@@ -63,33 +97,29 @@ async def stream(
     resume = request.headers.get(RESUME_HEADER) == "1"
     told = 0  # ids told so far
 
-    async def send(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> None:
+    async def send(choice: dict[str, Any], first: bool = False, **extra: Any) -> None:
         nonlocal told
-        chunk = {
-            **base,
-            "object": "chat.completion.chunk",
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-            **extra,
-        }
+        chunk = {**base, "object": shape.chunk_object, "choices": [choice], **extra}
         if resume:
             lk = chunk.setdefault("lakeshard", {})
             lk["ids"], told = tally.ids[told:], len(tally.ids)
-            if delta.get("role"):
+            if first:
                 lk["seed"] = opts["seed"]
         await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
 
     try:
-        await send({"role": "assistant", "content": ""})
+        if shape.opens:
+            await send(shape.delta(None), first=True)
         async with contextlib.aclosing(tokens(st, ids, opts, tally)) as gen:
             async for piece, fin in gen:
                 if piece:
-                    await send({"content": piece})
+                    await send(shape.delta(piece))
                 if fin:
-                    await send({}, fin, lakeshard=tally.report(st.served_by()))
-        if include_usage:
+                    await send(shape.delta("", fin), lakeshard=tally.report(st.served_by()))
+        if opts["include_usage"]:
             usage = {
                 **base,
-                "object": "chat.completion.chunk",
+                "object": shape.chunk_object,
                 "choices": [],
                 "usage": _usage(len(ids), tally.completion),
             }

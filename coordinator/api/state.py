@@ -32,5 +32,7 @@ class ApiState:
 STATE = web.AppKey("api_state", ApiState)
 
 
-def error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None) -> web.Response:
-    return api_error(status, message, code, kind)
+def error(
+    status: int, message: str, kind: str = "invalid_request_error", code: str | None = None, param: str | None = None
+) -> web.Response:
+    return api_error(status, message, code, kind, param)

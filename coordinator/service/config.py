@@ -29,6 +29,7 @@ class ServeConfig:
     split: list[int] | None = None
     api_host: str = "127.0.0.1"
     api_port: int = 8000
+    api_port_fix: str = "give this one another --api-port"  # what to do when the API port is taken
     api_key: str | None = None
     # request limits per client (see coordinator/api/limits.py; the CLI resolves its defaults)
     api_limits: Limits = field(default_factory=lambda: Limits(total=TOTAL_INFLIGHT))

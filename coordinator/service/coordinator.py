@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from agent.api.events import EventHub
+from agent.common.ports import ListenError, bind_error, listen_error, port_taken
 from agent.export.exporter import ExportResult
 from agent.protocol.cluster_view import ClusterView
 from agent.runtime.tokenizer import ChatTokenizer
@@ -78,8 +79,11 @@ class Coordinator:
         self._api: web.AppRunner | None = None
 
     async def async_start(self) -> None:
-        """Listen for the agents, plan and assign the first pipeline, then serve the API."""
+        """Listen for the agents, plan and assign the first pipeline, then serve the API (whose
+        port is checked first: a taken one fails the start before any export or assignment)."""
         cfg = self.cfg
+        if cfg.api and cfg.api_port and (taken := bind_error(cfg.api_host, cfg.api_port)) is not None:
+            raise api_port_error(cfg.api_host, cfg.api_port, taken, cfg.api_port_fix)
         await self.listener.async_start()
         self.pipeline = await self._async_build(cfg.nodes, cfg.split)
         self.scheduler = await self._async_scheduler(self.pipeline)
@@ -132,7 +136,10 @@ class Coordinator:
         if self._own_hub:
             await self.hub.async_start()
         api_port = cfg.api_port if cfg.api_port else free_port(cfg.api_host)
-        self._api = await async_serve_site(make_api_app(state), cfg.api_host, api_port)
+        try:
+            self._api = await async_serve_site(make_api_app(state), cfg.api_host, api_port)
+        except OSError as e:  # taken since it was checked
+            raise api_port_error(cfg.api_host, api_port, e, cfg.api_port_fix) from None
         self.api_url = f"http://{cfg.api_host}:{api_port}"
 
     async def _async_on_ring_frame(self, data: bytes) -> None:
@@ -272,3 +279,10 @@ class Coordinator:
         if self._api is not None:
             await self._api.cleanup()
         await self.listener.async_stop()
+
+
+def api_port_error(host: str, port: int, e: OSError, fix: str = ServeConfig.api_port_fix) -> ListenError:
+    """The API cannot listen on ``host:port``: one line, with what fixes it."""
+    if port_taken(e):
+        return listen_error("the API", host, port, e, f"another program holds it: {fix}")
+    return listen_error("the API", host, port, e, "is the API's host an address of this machine?")

@@ -167,6 +167,7 @@ class CoordinatorRole:
             opts=ExportOptions(weights=formed.weights),
             split=[s.start for s in formed.plan.stages[1:]],
             api_port=self.api_port,
+            api_port_fix="give this agent another --serve-api-port (or serve.api_port in its settings)",
             data_host="0.0.0.0",
             data_port=self.ring_port,
             data_port_fallback=True,  # another program (or agent) has it: a free port, with a warning

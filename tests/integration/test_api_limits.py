@@ -507,3 +507,39 @@ def test_bad_input_under_limits_gets_its_own_error_and_gives_its_slot_back(one_a
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model="smollm2-135m", messages=[], max_tokens=2)  # type: ignore[arg-type]
     assert client.chat.completions.create(model="smollm2-135m", messages=MSGS, max_tokens=2).choices  # type: ignore[arg-type]
+
+
+def test_a_legacy_completion_holds_a_slot_as_a_chat_does_and_a_model_lookup_needs_none(one_at_a_time: Served) -> None:
+    """``/v1/completions`` (here through the batching ring) counts toward concurrency;
+    ``/v1/models/{id}`` only toward the rate."""
+    import openai
+
+    client = _client(one_at_a_time, "10.9.0.5")
+    stream = client.completions.create(model="smollm2-135m", prompt="Once upon a time", stream=True, max_tokens=2000)
+    chunks = iter(stream)
+    first = [next(chunks).choices[0].text for _ in range(3)]
+    assert "".join(first)
+    with pytest.raises(openai.RateLimitError) as e:
+        client.completions.create(model="smollm2-135m", prompt="Hello", max_tokens=2)
+    assert e.value.code == "too_many_concurrent_requests"
+    assert client.models.retrieve("smollm2-135m").id == "smollm2-135m"  # needs no slot
+    stream.close()
+    again = wait_until(
+        lambda: _or_none(lambda: client.completions.create(model="smollm2-135m", prompt="Hello", max_tokens=2)),
+        1.0,
+        what="the dropped completion's slot to be free",
+        ok=lambda r: r is not None,
+        step=0.02,
+    )
+    assert again.object == "text_completion" and again.choices[0].text
+
+
+def _or_none(call: Any) -> Any:
+    """``call()``, or None while it is refused for want of a slot."""
+    import openai
+
+    try:
+        return call()
+    except openai.RateLimitError as busy:
+        assert busy.code == "too_many_concurrent_requests", busy
+        return None
