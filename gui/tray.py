@@ -317,6 +317,8 @@ class TrayApp(QObject):
 
         if self.chat is None:
             self.chat = ChatWindow(self.client, names=self.names)
+            self.chat.cluster = self.view  # (who serves answers, and after a failover who went on)
+            self.cluster_event.connect(self.chat.on_cluster_event)
         _raise(self.chat)
 
     def show_map(self) -> None:

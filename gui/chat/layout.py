@@ -1,9 +1,10 @@
 """The chat window's widgets and how they are laid out (no behaviour: :mod:`gui.chat.window` wires them).
 
-On the left the conversations with New, Rename and Delete; on the right the model and
-temperature, the system prompt (hidden until asked for), the banner that says why no answer
-can come now (with a bar while the coordinator prepares), the transcript, the message box and
-the row with the status line, Retry, Stop and Send.
+On the left the search box over the conversations, the conversations, and New, Rename, Delete
+and Export; on the right the model and temperature, the system prompt (hidden until asked for),
+the banner that says why no answer can come now (with a bar while the coordinator prepares),
+the transcript, the message box and the row with the status line, what can be done with the
+last turn (Retry, Continue, Regenerate, Edit), Stop and Send. Only colours from the palette.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from PySide6.QtWidgets import (
     QDoubleSpinBox,
     QHBoxLayout,
     QLabel,
+    QLineEdit,
     QListWidget,
     QMainWindow,
     QPlainTextEdit,
@@ -48,12 +50,19 @@ class ChatLayout(QMainWindow):
     def _conversations_panel(self) -> QWidget:
         left = QWidget()
         lv = QVBoxLayout(left)
+        self.search = QLineEdit()
+        self.search.setPlaceholderText("Search conversations (Ctrl+F)")
+        self.search.setClearButtonEnabled(True)
+        lv.addWidget(self.search)
         self.list = QListWidget()
         row = QHBoxLayout()
         self.new_btn = QPushButton("New")
+        self.new_btn.setToolTip("A new conversation (Ctrl+N)")
         self.rename_btn = QPushButton("Rename")
         self.delete_btn = QPushButton("Delete")
-        for b in (self.new_btn, self.rename_btn, self.delete_btn):
+        self.export_btn = QPushButton("Export…")
+        self.export_btn.setToolTip("Save this conversation as a Markdown file")
+        for b in (self.new_btn, self.rename_btn, self.delete_btn, self.export_btn):
             row.addWidget(b)
         lv.addWidget(self.list)
         lv.addLayout(row)
@@ -70,7 +79,6 @@ class ChatLayout(QMainWindow):
         rv.addWidget(self.system)
         self.banner = QLabel()
         self.banner.setWordWrap(True)
-        self.banner.setStyleSheet("background:#fef3c7;color:#78350f;padding:6px;border-radius:4px")
         self.banner.setVisible(False)
         rv.addWidget(self.banner)
         self.prep_bar = QProgressBar()  # how far the coordinator's preparation is, under its banner
@@ -83,7 +91,7 @@ class ChatLayout(QMainWindow):
         self.transcript.setOpenLinks(False)
         rv.addWidget(self.transcript, 1)
         self.input = QPlainTextEdit()
-        self.input.setPlaceholderText("Ask the cluster… (Ctrl+Enter sends)")
+        self.input.setPlaceholderText("Ask the cluster… (Ctrl+Enter sends, Esc stops)")
         self.input.setMaximumHeight(120)
         rv.addWidget(self.input)
         rv.addLayout(self._send_row())
@@ -110,13 +118,20 @@ class ChatLayout(QMainWindow):
     def _send_row(self) -> QHBoxLayout:
         send_row = QHBoxLayout()
         self.status = QLabel("")
-        self.status.setStyleSheet("color:#6b7280")
         send_row.addWidget(self.status, 1)
         self.retry_btn = QPushButton("Retry")
         self.retry_btn.setToolTip("Ask the last question again (the failed answer is replaced)")
-        self.retry_btn.setVisible(False)
-        send_row.addWidget(self.retry_btn)
+        self.continue_btn = QPushButton("Continue")
+        self.continue_btn.setToolTip("Go on with the answer the token limit cut (it joins the same answer)")
+        self.regenerate_btn = QPushButton("Regenerate")
+        self.regenerate_btn.setToolTip("Ask the last question again: a new answer replaces this one")
+        self.edit_btn = QPushButton("Edit")
+        self.edit_btn.setToolTip("Put your last message back in the box: sending it replaces that turn")
+        for b in (self.retry_btn, self.continue_btn, self.regenerate_btn, self.edit_btn):
+            b.setVisible(False)
+            send_row.addWidget(b)
         self.stop_btn = QPushButton("Stop")
+        self.stop_btn.setToolTip("Stop the answer (Esc)")
         self.stop_btn.setEnabled(False)
         self.send_btn = QPushButton("Send")
         self.send_btn.setDefault(True)

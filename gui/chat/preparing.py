@@ -18,17 +18,18 @@ from agent.protocol.events import apply_event
 from gui.client import Client
 
 log = logging.getLogger(__name__)
-INFO = "background:#e0f2fe;color:#0c4a6e;padding:6px;border-radius:4px"
-WARN = "background:#fef3c7;color:#78350f;padding:6px;border-radius:4px"
-ERROR = "background:#fee2e2;color:#7f1d1d;padding:6px;border-radius:4px"
+# the banner's kinds (its colours come from the palette: :meth:`gui.chat.theme.Theme.banner_style`)
+INFO = "info"
+WARN = "warn"
+ERROR = "error"
 RECONNECT_S = 2.0
 LONG = "(A model's first start can take several minutes; later starts reuse its stages.)"
 
 
 def banner(p: Preparation | None, said: str | None, pending: bool) -> tuple[str, str, float | None]:
-    """The banner's text and style, and the progress bar's percent (None: no bar), while the
-    coordinator cannot answer yet: from its preparation ``p`` when the event stream told it,
-    else from what its API ``said`` (pure)."""
+    """The banner's text and kind (INFO, WARN or ERROR), and the progress bar's percent (None:
+    no bar), while the coordinator cannot answer yet: from its preparation ``p`` when the event
+    stream told it, else from what its API ``said`` (pure)."""
     then = " Your message will be sent then." if pending else ""
     if p is not None and p.step == "failed":
         text = (

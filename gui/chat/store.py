@@ -1,7 +1,8 @@
 """Conversations, kept in SQLite in the platformdirs data folder (they survive restarts).
 
 A conversation has a title, a system prompt, a model, its messages (each answer with its
-figures: time to first token, tok/s, the nodes that served it) and the unsent draft.
+figures: time to first token, tok/s, the nodes that served it and their names then, how it
+ended) and the unsent draft. :meth:`Store.search` finds the conversations that say a word.
 """
 
 from __future__ import annotations
@@ -153,6 +154,22 @@ class Store:
         self.db.execute("DELETE FROM messages WHERE id = ?", (mid,))
         self.db.commit()
 
+    def search(self, words: str, limit: int = 200) -> list[tuple[int, str]]:
+        """The conversations whose title or messages contain ``words`` (case-insensitive for
+        ASCII, as SQLite's LIKE), newest first, each with a snippet of its first match."""
+        words = words.strip()
+        if not words:
+            return []
+        like = "%" + words.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        rows = self.db.execute(
+            "SELECT c.id, c.title, (SELECT m.content FROM messages m WHERE m.conversation = c.id"
+            "   AND m.content LIKE ?1 ESCAPE '\\' ORDER BY m.id LIMIT 1) AS hit"
+            " FROM conversations c WHERE c.title LIKE ?1 ESCAPE '\\' OR hit IS NOT NULL"
+            " ORDER BY c.updated DESC, c.id DESC LIMIT ?2",
+            (like, limit),
+        ).fetchall()
+        return [(cid, snippet(hit if hit is not None else title, words)) for cid, title, hit in rows]
+
     def history(self, cid: int) -> list[dict[str, str]]:
         """The conversation as OpenAI messages (system prompt first)."""
         conv = self.get(cid)
@@ -161,3 +178,14 @@ class Store:
             out.append({"role": "system", "content": conv.system_prompt})
         out += [{"role": m.role, "content": m.content} for m in self.messages(cid) if m.content or m.role == "user"]
         return out
+
+
+def snippet(text: str, words: str, width: int = 80) -> str:
+    """The part of ``text`` around the first ``words`` (case-insensitive), on one line."""
+    flat = " ".join(text.split())
+    i = flat.lower().find(words.lower())
+    if i < 0:
+        return flat[:width]
+    start = max(0, i - width // 3)
+    out = flat[start : start + width]
+    return ("…" if start else "") + out + ("…" if start + width < len(flat) else "")

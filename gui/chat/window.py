@@ -5,6 +5,13 @@ model and unsent draft) live in SQLite (:mod:`gui.chat.store`); answers stream i
 :mod:`gui.chat.answer`, and Stop cancels the generation on the cluster. When no coordinator
 answers, the window says so, keeps the message in the box and sends it once one does; an
 answer that breaks off keeps its text, marked "interrupted", and Retry asks again.
+
+On the last turn, Regenerate asks again (the new answer replaces the old), Edit puts the
+question back in the box (sending it replaces the turn), and Continue goes on with an answer
+the token limit cut ("stopped: length"). Ctrl+F searches all conversations; Export saves one
+as Markdown (:mod:`gui.chat.export`). Its colours come from the palette, light or dark as the
+system's (:mod:`gui.chat.theme`), and change with it. Shortcuts: Ctrl+Enter sends, Esc stops,
+Ctrl+N starts a conversation, Ctrl+F searches, Ctrl+Shift+C copies the last code block.
 """
 
 from __future__ import annotations
@@ -13,18 +20,21 @@ import asyncio
 import contextlib
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import Qt, QTimer, QUrl, Signal
-from PySide6.QtGui import QGuiApplication, QKeySequence, QShortcut
-from PySide6.QtWidgets import QInputDialog, QListWidgetItem, QMessageBox
+from PySide6.QtCore import QEvent, QStandardPaths, Qt, QTimer, QUrl, Signal
+from PySide6.QtGui import QGuiApplication, QKeySequence, QShortcut, QTextCursor
+from PySide6.QtWidgets import QFileDialog, QInputDialog, QListWidgetItem, QMessageBox
 
 from agent.protocol.cluster_view import ClusterView, Preparation
-from gui.chat import preparing
+from agent.protocol.events import Event
+from gui.chat import export, preparing
 from gui.chat.answer import AnswerStream, Ended
 from gui.chat.layout import ChatLayout
 from gui.chat.store import Store
-from gui.chat.transcript import transcript_html
+from gui.chat.theme import Theme, from_palette
+from gui.chat.transcript import cut_short, transcript_html
 from gui.client import ApiError, BadAddress, Client, NotServing, Unreachable
 
 log = logging.getLogger(__name__)
@@ -44,8 +54,11 @@ class ChatWindow(ChatLayout):
         self.client = client
         self.store = store or Store()
         self.names = names if names is not None else {}
-        self.answers = AnswerStream(client, self.store)
+        self.cluster: ClusterView | None = None  # the cluster as the tray's event stream tells it
+        self.answers = AnswerStream(client, self.store, self.names, ring=self._serving_ring)
         self.conversation: int | None = None
+        self.editing: tuple[int, int] | None = None  # (conversation, question id): Send replaces that turn
+        self.theme: Theme = from_palette(self.palette())
         self.blocks: list[str] = []
         self.reachable: bool | None = None
         self.pending_send = False  # the user pressed Send while no coordinator answered
@@ -57,6 +70,7 @@ class ChatWindow(ChatLayout):
         self._following: asyncio.Task[None] | None = None  # the event stream, while it prepares
         self._wake = asyncio.Event()  # ask for the models now (the stream said: ready)
         self._connect()
+        self._apply_theme()
         self._load_conversations()
         self._draft_timer = QTimer(self)
         self._draft_timer.setSingleShot(True)
@@ -79,14 +93,27 @@ class ChatWindow(ChatLayout):
         self.new_btn.clicked.connect(self.new_conversation)
         self.rename_btn.clicked.connect(self._ask_rename)
         self.delete_btn.clicked.connect(self._ask_delete)
+        self.export_btn.clicked.connect(self._ask_export)
+        self.search.textChanged.connect(self._filter)
+        self.search.returnPressed.connect(self._open_first_match)
         self.model.currentTextChanged.connect(self._model_picked)
         self.system_btn.toggled.connect(lambda on: self.system.setVisible(on))
         self.system.textChanged.connect(self._system_changed)
         self.transcript.anchorClicked.connect(self._link)
         self.retry_btn.clicked.connect(self.retry)
+        self.continue_btn.clicked.connect(self.go_on)
+        self.regenerate_btn.clicked.connect(self.regenerate)
+        self.edit_btn.clicked.connect(self.edit)
         self.stop_btn.clicked.connect(self.stop)
         self.send_btn.clicked.connect(self.send)
-        QShortcut(QKeySequence("Ctrl+Return"), self, self.send)
+        for keys, slot in (
+            ("Ctrl+Return", self.send),
+            ("Esc", self._escape),
+            ("Ctrl+N", self.new_conversation),
+            ("Ctrl+F", self._focus_search),
+            ("Ctrl+Shift+C", self.copy_last_code),
+        ):
+            QShortcut(QKeySequence(keys), self, slot)
         a = self.answers
         a.noted.connect(self._noted)
         a.answering.connect(lambda: self.status.setText("answering…"))
@@ -111,17 +138,22 @@ class ChatWindow(ChatLayout):
         ids = [c.id for c in convs]
         target = select if select in ids else (self.conversation if self.conversation in ids else ids[0])
         self.list.setCurrentRow(ids.index(target))
+        self._filter(self.search.text())
         self.open_conversation(target)
 
     def _picked(self, item: QListWidgetItem | None, _prev: Any = None) -> None:
         if item is not None:
             self.open_conversation(int(item.data(Qt.ItemDataRole.UserRole)))
+            self._find_in_transcript()
 
     def open_conversation(self, cid: int) -> None:
         if cid == self.conversation:
             return
         self._save_draft()
         self.conversation = cid
+        self.editing = None
+        if self.streaming is None:  # (what the status line said was about the last one)
+            self.status.setText("")
         conv = self.store.get(cid)
         assert conv is not None
         self.system.blockSignals(True)
@@ -136,9 +168,65 @@ class ChatWindow(ChatLayout):
         self.redraw(to_end=True)
 
     def new_conversation(self) -> int:
+        """Start a conversation (Ctrl+N): it opens, with nothing said of the last one."""
+        self.search.clear()  # (a search would hide it)
         cid = self.store.create(model=self.model.currentText() or None)
         self._load_conversations(select=cid)
         return cid
+
+    # -- search and export ----------------------------------------------------------------------
+    def _focus_search(self) -> None:
+        self.search.setFocus()
+        self.search.selectAll()
+
+    def _filter(self, words: str) -> None:
+        """Show only the conversations that say ``words`` (all, when empty), each with the words
+        around its first match as its tooltip."""
+        hits = dict(self.store.search(words)) if words.strip() else None
+        for i in range(self.list.count()):
+            it = self.list.item(i)
+            cid = int(it.data(Qt.ItemDataRole.UserRole))
+            it.setHidden(hits is not None and cid not in hits)
+            it.setToolTip(hits.get(cid, "") if hits is not None else "")
+
+    def _open_first_match(self) -> None:
+        """Enter in the search box: open the first conversation found, at the words."""
+        for i in range(self.list.count()):
+            it = self.list.item(i)
+            if not it.isHidden():
+                self.list.setCurrentItem(it)
+                self.open_conversation(int(it.data(Qt.ItemDataRole.UserRole)))
+                self._find_in_transcript()
+                return
+
+    def _find_in_transcript(self) -> None:
+        """Select the searched words in the open conversation, and scroll to them."""
+        words = self.search.text().strip()
+        if words:
+            self.transcript.moveCursor(QTextCursor.MoveOperation.Start)
+            self.transcript.find(words)
+
+    def export_to(self, cid: int, path: Path) -> Path:
+        """Save conversation ``cid`` to ``path`` as Markdown."""
+        return export.export(self.store, cid, path, self.names)
+
+    def _ask_export(self) -> None:
+        if self.conversation is None:
+            return
+        conv = self.store.get(self.conversation)
+        where = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.DocumentsLocation) or str(Path.home())
+        name = export.file_name(conv.title if conv else "conversation")
+        path, _ = QFileDialog.getSaveFileName(
+            self, "Export conversation", str(Path(where) / name), "Markdown (*.md);;All files (*)"
+        )
+        if not path:
+            return
+        try:
+            done = self.export_to(self.conversation, Path(path))
+        except OSError as e:
+            QMessageBox.warning(self, "Export conversation", f"Could not write {path}: {e.strerror or e}")
+            return
+        self.status.setText(f"saved {done.name}")
 
     def rename(self, cid: int, title: str) -> None:
         self.store.rename(cid, title)
@@ -189,8 +277,15 @@ class ChatWindow(ChatLayout):
         if self.conversation is None:
             return
         msgs = self.store.messages(self.conversation)
-        page, self.blocks = transcript_html(msgs, self.live, self.names, can_retry=self.streaming is None)
-        self.retry_btn.setVisible(self.can_retry())
+        offer = self.offers()
+        page, self.blocks = transcript_html(msgs, self.live, self.names, self.theme, offer)
+        for action, btn in (
+            ("retry", self.retry_btn),
+            ("continue", self.continue_btn),
+            ("regenerate", self.regenerate_btn),
+            ("edit", self.edit_btn),
+        ):
+            btn.setVisible(action in offer)
         bar = self.transcript.verticalScrollBar()
         at_end = to_end or bar.value() >= bar.maximum() - 4
         self.transcript.setHtml(page)
@@ -200,14 +295,24 @@ class ChatWindow(ChatLayout):
 
     def _link(self, url: QUrl) -> None:
         s = url.toString()
-        if s.startswith("retry:"):
-            self.retry()
+        actions = {"retry:": self.retry, "continue:": self.go_on, "regenerate:": self.regenerate, "edit:": self.edit}
+        if s in actions:
+            actions[s]()
             return
         if s.startswith("copy:"):
-            i = int(s[5:]) if s[5:].isdigit() else -1
-            if 0 <= i < len(self.blocks):
-                QGuiApplication.clipboard().setText(self.blocks[i])
-                self.status.setText("code copied")
+            self._copy(int(s[5:]) if s[5:].isdigit() else -1)
+
+    def _copy(self, i: int) -> None:
+        if 0 <= i < len(self.blocks):
+            QGuiApplication.clipboard().setText(self.blocks[i])
+            self.status.setText("code copied")
+
+    def copy_last_code(self) -> None:
+        """Copy the last code block of the conversation shown (Ctrl+Shift+C)."""
+        if self.blocks:
+            self._copy(len(self.blocks) - 1)
+        else:
+            self.status.setText("no code block to copy")
 
     # -- sending ---------------------------------------------------------------------------------
     def send(self) -> None:
@@ -223,7 +328,13 @@ class ChatWindow(ChatLayout):
         self.input.blockSignals(True)
         self.input.clear()
         self.input.blockSignals(False)
-        self.answers.ask(cid, text, self.model.currentText() or None, self.temperature.value())
+        model, temperature = self.model.currentText() or None, self.temperature.value()
+        editing, self.editing = self.editing, None
+        turn = self.answers.last_turn(cid)
+        if editing is not None and editing[0] == cid and turn is not None and turn[0].id == editing[1]:
+            self.answers.resend(cid, editing[1], text, model, temperature)
+        else:
+            self.answers.ask(cid, text, model, temperature)
         self._started()
         self._load_conversations(select=cid)  # (it moves to the top of the list)
 
@@ -231,11 +342,63 @@ class ChatWindow(ChatLayout):
         """Whether the shown conversation ends in a failed answer that Retry can ask again."""
         return self.answers.can_retry(self.conversation)
 
+    def offers(self) -> set[str]:
+        """What can be done with the shown conversation's last turn now: retry (its answer
+        failed), continue (the token limit cut it), regenerate and edit (any whole turn)."""
+        turn = self.answers.last_turn(self.conversation)
+        if turn is None:
+            return set()
+        if self.can_retry():
+            return {"retry", "edit"}
+        return {"regenerate", "edit"} | ({"continue"} if cut_short(turn[1].stats) else set())
+
+    def regenerate(self) -> None:
+        """Ask the last question again: the new answer replaces the old one, in the store too."""
+        if self.answers.last_turn(self.conversation) is None:
+            return
+        assert self.conversation is not None
+        self.editing = None
+        self.answers.retry(self.conversation, self.model.currentText() or None, self.temperature.value())
+        self._started()
+
+    def edit(self) -> None:
+        """Put the last question back in the box: Send replaces that turn (Esc leaves it be)."""
+        turn = self.answers.last_turn(self.conversation)
+        if turn is None or self.conversation is None:
+            return
+        self.editing = (self.conversation, turn[0].id)
+        self.input.setPlainText(turn[0].content)
+        self.input.setFocus()
+        self.input.moveCursor(QTextCursor.MoveOperation.End)
+        self.status.setText("Editing your last message: Send replaces that turn, Esc cancels.")
+
+    def go_on(self) -> None:
+        """Continue the answer the token limit cut: what comes joins the same answer."""
+        if not self.answers.can_continue(self.conversation):
+            return
+        assert self.conversation is not None
+        self.editing = None
+        self.answers.go_on(self.conversation, self.model.currentText() or None, self.temperature.value())
+        self._started()
+
+    def _escape(self) -> None:
+        """Esc: stop the answer; with none streaming, leave an edit be (the box is emptied) or
+        clear the search being typed."""
+        if self.streaming is not None:
+            self.stop()
+        elif self.search.hasFocus() and self.search.text():
+            self.search.clear()
+        elif self.editing is not None:
+            self.editing = None
+            self.input.clear()
+            self.status.setText("")
+
     def retry(self) -> None:
         """Ask the last question again; the new answer replaces the failed one."""
         if not self.can_retry():
             return
         assert self.conversation is not None
+        self.editing = None
         self.answers.retry(self.conversation, self.model.currentText() or None, self.temperature.value())
         self._started()
 
@@ -273,8 +436,12 @@ class ChatWindow(ChatLayout):
             self.status.setText("The answer was interrupted. Retry asks again.")
         elif end.outcome in ("error", "unreachable"):
             self.status.setText(f"error: {end.stats.get('error', '')}")
+        elif end.outcome == "stopped":
+            self.status.setText("stopped")
+        elif end.stats.get("finish") == "length":
+            self.status.setText("stopped: length (the token limit). Continue goes on.")
         else:
-            self.status.setText("stopped" if end.outcome == "stopped" else "")
+            self.status.setText("")
 
     def _idle(self, mid: int) -> None:
         """However the answer ended, the window is ready for the next."""
@@ -297,7 +464,7 @@ class ChatWindow(ChatLayout):
         if self.not_serving is not None:  # a coordinator answers: it prepares the model
             self._say_preparing()
             return
-        self.banner.setStyleSheet(preparing.WARN)
+        self._banner_kind(preparing.WARN)
         self.prep_bar.setVisible(False)
         text = preparing.unreachable(why, bool(self.banner.property("bad_address")), self.pending_send, RETRY_S)
         self.banner.setText(text)
@@ -305,14 +472,51 @@ class ChatWindow(ChatLayout):
 
     def _say_preparing(self) -> None:
         """The coordinator prepares its model: the step it is at (live, from its event stream)."""
-        text, style, pct = preparing.banner(self.preparing, self.not_serving, self.pending_send)
+        text, kind, pct = preparing.banner(self.preparing, self.not_serving, self.pending_send)
         self.banner.setText(text)
-        self.banner.setStyleSheet(style)
+        self._banner_kind(kind)
         self.banner.setVisible(True)
         self.prep_bar.setVisible(pct is not None)
         self.prep_bar.setValue(round(pct or 0))
         p = self.preparing
         self.model.setPlaceholderText(p.model if p is not None and p.step != "failed" else "")  # (greyed: not yet)
+
+    def _banner_kind(self, kind: str) -> None:
+        self.banner.setProperty("kind", kind)
+        self.banner.setStyleSheet(self.theme.banner_style(kind))
+
+    # -- the cluster (from the tray's event stream) and the palette ------------------------------
+    def on_cluster_event(self, update: tuple[Event, ClusterView | None]) -> None:
+        """An event of the cluster's stream and the picture after it (the tray's ``cluster_event``):
+        the nodes' names, and the plan serving now, for the answer being streamed."""
+        self.cluster = update[1]
+        if self.cluster is None:
+            return
+        self.names.update({n.node: n.name for n in self.cluster.nodes})
+        self.answers.saw_plan(self._serving_ring())
+
+    def _serving_ring(self) -> tuple[str, ...]:
+        """The nodes computing answers now, in stage order (none while it re-plans or is not known)."""
+        c = self.cluster
+        return c.ring if c is not None and c.service == "serving" else ()
+
+    def _apply_theme(self) -> None:
+        """Colours from the palette: the status line, the banner, links; the transcript is redrawn."""
+        self.theme = from_palette(self.palette())
+        t = self.theme
+        self.status.setStyleSheet(f"color:{t.window_muted}")
+        self.banner.setStyleSheet(t.banner_style(str(self.banner.property("kind") or preparing.INFO)))
+        self.transcript.document().setDefaultStyleSheet(f"a {{ color: {t.link}; }}")
+        self.redraw()
+
+    def changeEvent(self, e: QEvent) -> None:
+        """The system's palette changed (dark mode on or off): redraw in its colours."""
+        super().changeEvent(e)
+        changed = e.type() in (QEvent.Type.PaletteChange, QEvent.Type.ApplicationPaletteChange)
+        if not changed or getattr(self, "theme", None) is None or getattr(self, "_stopped", True):
+            return
+        if from_palette(self.palette()) != self.theme:
+            self._apply_theme()
 
     def _on_view(self, view: ClusterView | None) -> None:
         """The event stream's latest picture of the cluster (while the coordinator prepares)."""

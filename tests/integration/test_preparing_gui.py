@@ -170,7 +170,8 @@ def test_a_failed_preparation_says_why_and_what_to_do(
     agent.say(Preparation(MODEL, "failed", error="exporting stage 1 of 3 failed: MemoryError"))
     run(qloop, async_wait_until(lambda: "could not prepare smollm2-135m" in w.banner.text(), what="the failure"))
     assert "MemoryError" in w.banner.text() and "Open logs folder" in w.banner.text()
-    assert w.banner.styleSheet() == preparing.ERROR and not w.prep_bar.isVisibleTo(w)
+    assert w.banner.property("kind") == preparing.ERROR and not w.prep_bar.isVisibleTo(w)
+    assert w.banner.styleSheet() == w.theme.banner_style(preparing.ERROR)
 
 
 def test_without_events_the_banner_says_what_the_api_said() -> None:

@@ -31,11 +31,16 @@ class FakeCoordinator:
     - ``error``: two pieces, then the coordinator's error event (a stage failed);
     - ``pause``: two pieces, an SSE comment and a status note (as the gateway sends while it
       finds a new coordinator), a pause until ``go_on`` is set, then the rest.
+
+    The answer is :data:`ANSWER`, ended by ``stop``, unless ``replies`` holds the next one (its
+    pieces and finish reason, e.g. ``length``); the end names ``nodes`` as the nodes that served.
     """
 
     def __init__(self) -> None:
         self.plays: list[str] = []
         self.asked: list[list[dict[str, str]]] = []
+        self.replies: list[tuple[list[str], str]] = []
+        self.nodes: list[str] = ["n1"]
         self.go_on = asyncio.Event()
         self.runner: web.AppRunner | None = None
         self.url = ""
@@ -61,6 +66,7 @@ class FakeCoordinator:
         body = await request.json()
         self.asked.append(body["messages"])
         play = self.plays.pop(0) if self.plays else "full"
+        words, finish = self.replies.pop(0) if self.replies else (ANSWER, "stop")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
 
@@ -72,7 +78,7 @@ class FakeCoordinator:
             await event({"object": "chat.completion.chunk", "choices": [choice], **extra})
 
         await piece("")  # the role chunk the coordinator sends first (no text)
-        for w in ANSWER[:2]:
+        for w in words[:2]:
             await piece(w)
         if play == "cut":
             assert request.transport is not None
@@ -93,8 +99,8 @@ class FakeCoordinator:
             await self.go_on.wait()
             await resp.write(b": still here\n\n")
             await asyncio.sleep(0.5)  # the scenario: half a second of silence, which must not end the answer
-        for w in ANSWER[2:]:
+        for w in words[2:]:
             await piece(w)
-        await piece("", "stop", lakeshard={"nodes": ["n1"], "completion_tokens": len(ANSWER)})
+        await piece("", finish, lakeshard={"nodes": list(self.nodes), "completion_tokens": len(words)})
         await resp.write(b"data: [DONE]\n\n")
         return resp

@@ -17,6 +17,7 @@ from agent.protocol.status import NodeStatus, PauseReason
 from gui import autostart
 from gui.chat.markdown import render
 from gui.chat.store import Store
+from gui.chat.theme import from_colours
 from gui.state import Notice, TrayState, cluster_notices, notices, reason_kind, status_line, tray_state
 
 REPO = Path(__file__).resolve().parents[3]
@@ -218,10 +219,11 @@ def test_notifications_for_the_cluster() -> None:
 
 def test_answers_render_markdown_with_a_copy_link_per_code_block_and_no_raw_html() -> None:
     text = "Use **this**:\n\n```python\nprint(1 < 2)\n```\n\n<script>alert(1)</script>\n\n```\nls -l\n```\n"
-    html, blocks = render(text, first=3)
+    html, blocks = render(text, from_colours("#000000", "#ffffff", "#0000ff", "#308cc6"), first=3)
     assert blocks == ["print(1 < 2)", "ls -l"]
     assert 'href="copy:3"' in html and 'href="copy:4"' in html
-    assert "<strong>this</strong>" in html and "print(1 &lt; 2)" in html
+    assert "<strong>this</strong>" in html and ">print</span>" in html and "&lt;" in html  # (highlighted)
+    assert '<pre style="color:#000000">ls -l</pre>' in html  # (no language: plain)
     assert "<script>" not in html and "&lt;script&gt;" in html
 
 
