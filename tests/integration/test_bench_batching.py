@@ -25,6 +25,7 @@ def test_bench_batching_reports_every_config_and_user_count(smollm2) -> None:  #
         assert set(out[key]) == {"1", "2"}
         assert set(out["spread"][key]) == {"1", "2"}
     assert out["runs"] == 1 and isinstance(out["outputs_identical"], bool)
-    # our paged stages give each user the same tokens on one stage as on two
-    assert out["mismatches"]["stage2_vs_stage1"] == []
+    # no configuration's answers change with the number of users (1 and 2 stages may differ:
+    # the default wire carries f16 hidden states)
+    assert all(out["batch_dependent"][c] == [] for c in CONFIGS - {"genai"}), out["batch_dependent"]
     report(f"bench batching (smollm2, 8 tokens): stage2 / genai {out['stage2_vs_genai']}")
