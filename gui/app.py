@@ -16,6 +16,7 @@ import logging.handlers
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -77,14 +78,23 @@ class SingleInstance:
         c.disconnectFromServer()
 
 
-def _setup_logging() -> None:
+def setup_logging() -> Path:
+    """Log to ``tray.log`` in the log folder, once: ``lakeshard tray`` comes through the command
+    line, which already logs there (``agent.common.logs``, by the command's name); a second
+    handler on the same file wrote every line twice. Only when no handler writes to that file yet
+    (the tray started another way) is one added. The file's path."""
     from gui.agent_process import log_folder
 
+    path = log_folder() / "tray.log"
     root = logging.getLogger()
-    root.setLevel(logging.INFO)
-    fh = logging.handlers.RotatingFileHandler(log_folder() / "tray.log", maxBytes=2_000_000, backupCount=2)
+    for h in root.handlers:
+        if isinstance(h, logging.FileHandler) and Path(h.baseFilename).resolve() == path.resolve():
+            return path
+    root.setLevel(min(root.level or logging.INFO, logging.INFO))
+    fh = logging.handlers.RotatingFileHandler(path, maxBytes=2_000_000, backupCount=2)
     fh.setFormatter(logging.Formatter("%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"))
     root.addHandler(fh)
+    return path
 
 
 def run_tray(args: argparse.Namespace) -> int:
@@ -98,7 +108,7 @@ def run_tray(args: argparse.Namespace) -> int:
     from gui.settings import load_tray_settings
     from gui.tray import TrayApp
 
-    _setup_logging()
+    setup_logging()
     app = QApplication.instance() or QApplication(sys.argv[:1])
     assert isinstance(app, QApplication)
     app.setApplicationName("lakeshard")

@@ -1,9 +1,14 @@
 """The node map (for admins): the cluster as its coordinator sees it, live.
 
 Fed only by the coordinator's event stream (through the tray): each node with its name,
-state colour, device, layer range, memory, temperature and tok/s; the ring in stage order
-with each node's round trip to the coordinator; the coordinator marked; re-plans and
-failovers in the log as they happen. Clicking a node shows its details; this laptop's own
+state colour and icon (a legend under the map says which is which), device, layer range,
+memory, temperature and tok/s; the ring in stage order with each link's round trip, its label
+beside the link and clear of the others; the coordinator marked; re-plans and failovers in the
+log as they happen. A node keeps its place on the map while it stays in the cluster (places go
+by node, in the order they came, never by the plan's stage order), so a re-plan moves arrows,
+not boxes. The log writes a plan only when every node of it can serve: while the coordinator
+re-plans, its view still holds the outgoing ring (a node that just paused or died), which the
+log names as the reason instead of as a plan. Clicking a node shows its details; this laptop's own
 node can be paused, excluded from or preferred for coordinating; on the laptop that holds the
 cluster's CA, another node can be revoked (after a confirmation): every member then refuses it.
 """
@@ -17,7 +22,18 @@ from collections.abc import Callable
 from typing import Any
 
 from PySide6.QtCore import QPointF, QRectF, Qt, Signal
-from PySide6.QtGui import QBrush, QColor, QFont, QMouseEvent, QPainter, QPainterPath, QPaintEvent, QPen
+from PySide6.QtGui import (
+    QBrush,
+    QColor,
+    QFont,
+    QFontMetricsF,
+    QMouseEvent,
+    QPainter,
+    QPainterPath,
+    QPaintEvent,
+    QPen,
+    QPixmap,
+)
 from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
@@ -43,9 +59,19 @@ from agent.protocol.events import (
     Takeover,
 )
 from gui.client import ApiError, Client, Unreachable
-from gui.icons import app_icon
+from gui.icons import FALLBACK_COLOURS, app_icon, state_icon
+from gui.state import TrayState, reason_kind
 
-STATE_COLOURS = {"available": "#16a34a", "limited": "#d97706", "paused": "#64748b"}
+# the legend: what a node's colour bar and icon say (the tray's own icons, one per state)
+LEGEND: tuple[tuple[TrayState, str], ...] = (
+    (TrayState.AVAILABLE, "available"),
+    (TrayState.SERVING, "serving"),
+    (TrayState.COORDINATOR, "★ coordinator"),
+    (TrayState.LIMITED, "limited (busy or warm)"),
+    (TrayState.PAUSED_USER, "paused (its user)"),
+    (TrayState.PAUSED_HEAT, "paused (heat or battery)"),
+)
+LABEL_GAP = 10.0  # between a link and its label (clear of the arrowhead, 6 px either side of the link)
 BOX_W, BOX_H = 236, 132
 STEP_COLOUR = "#0369a1"  # a node's preparation step, under its figures
 GIB = 1024**3
@@ -54,11 +80,18 @@ GIB = 1024**3
 HEADER_H = 28  # the header line (cluster, term, model) above the boxes
 
 
-def layout(view: ClusterView, width: float, height: float) -> dict[str, QRectF]:
-    """Where each node's box goes: the ring's stages clockwise from the top, then the others, all
-    below the header line (pure)."""
-    order = list(view.ring) + sorted(n.node for n in view.nodes if n.node not in view.ring)
-    order = [n for n in order if view.node(n) is not None]
+def stable_order(before: list[str], view: ClusterView) -> list[str]:
+    """The nodes' places on the map: those already placed keep their order, newcomers follow
+    (by id); never the plan's stage order, so a re-plan moves no box (pure)."""
+    here = {n.node for n in view.nodes}
+    kept = [n for n in before if n in here]
+    return kept + sorted(here - set(kept))
+
+
+def layout(view: ClusterView, width: float, height: float, order: list[str] | None = None) -> dict[str, QRectF]:
+    """Where each node's box goes: ``order`` (default: by node id; see :func:`stable_order`)
+    clockwise from the top, all below the header line (pure)."""
+    order = [n for n in (order if order is not None else sorted(n.node for n in view.nodes)) if view.node(n)]
     out: dict[str, QRectF] = {}
     k = len(order)
     below = max(height - HEADER_H, 0)
@@ -69,6 +102,51 @@ def layout(view: ClusterView, width: float, height: float) -> dict[str, QRectF]:
         x, y = (cx, cy) if k == 1 else (cx + rx * math.cos(a), cy + ry * math.sin(a))
         out[node] = QRectF(x - BOX_W / 2, y - BOX_H / 2, BOX_W, BOX_H)
     return out
+
+
+def label_rects(
+    centres: dict[str, QPointF], ring: list[str], sizes: dict[str, tuple[float, float]]
+) -> dict[str, QRectF]:
+    """Where each ring link's label goes, keyed by the link's first node (pure).
+
+    Beside the middle of its link, on the link's right-hand side (so that the two links of a
+    two-node ring, one each way along the same line, take opposite sides), wholly clear of the
+    line; a label that would overlap one placed before it moves further out on its side until
+    it overlaps none. ``sizes``: each label's width and height (links without one get none)."""
+    out: dict[str, QRectF] = {}
+    k = len(ring)
+    if k < 2:
+        return out
+    for i, node in enumerate(ring):
+        nxt = ring[(i + 1) % k]
+        if node not in sizes or node not in centres or nxt not in centres:
+            continue
+        a, b = centres[node], centres[nxt]
+        mid = (a + b) / 2
+        length = math.hypot(b.x() - a.x(), b.y() - a.y())
+        ux, uy = ((b.x() - a.x()) / length, (b.y() - a.y()) / length) if length else (1.0, 0.0)
+        nx, ny = -uy, ux  # the right-hand normal (y grows downwards)
+        w, h = sizes[node]
+        dist = abs(nx) * w / 2 + abs(ny) * h / 2 + LABEL_GAP  # the whole label clear of the line
+        r = QRectF()
+        for _ in range(400):
+            r = QRectF(mid.x() + nx * dist - w / 2, mid.y() + ny * dist - h / 2, w, h)
+            if not any(r.intersects(o) for o in out.values()):
+                break
+            dist += max(h / 2, 4.0)
+        out[node] = r
+    return out
+
+
+def node_icon_state(n: NodeInfo, coordinator: bool) -> TrayState:
+    """The tray icon (and colour) a node's box carries: the same as its own tray shows (pure)."""
+    if n.state == "paused":
+        return TrayState.PAUSED_HEAT if reason_kind(n.reason) == "heat" else TrayState.PAUSED_USER
+    if n.state == "limited":
+        return TrayState.LIMITED
+    if n.tok_s > 0 and n.layers is not None:
+        return TrayState.SERVING
+    return TrayState.COORDINATOR if coordinator else TrayState.AVAILABLE
 
 
 def node_lines(n: NodeInfo, step: NodeStep | None = None) -> list[str]:
@@ -108,8 +186,35 @@ def link_label(ms: float) -> str:
     return f"{ms * 1000:.0f} µs" if ms < 1 else f"{ms:.1f} ms" if ms < 100 else f"{ms:.0f} ms"
 
 
-def describe(ev: Event, names: dict[str, str]) -> str | None:
-    """One line of the map's log for an event worth a line (pure)."""
+REPLANNING = ("planning", "re-planning", "recovering")  # services whose ring is the outgoing one
+
+
+def unfit(view: ClusterView | None, node: str) -> str | None:
+    """Why ``node`` cannot serve in a plan, as the view has it (None: it can): it left, or it is paused."""
+    if view is None:
+        return None
+    n = view.node(node)
+    if n is None or not n.alive:
+        return "left"
+    return "paused" if n.state == "paused" else None
+
+
+def plan_line(ev: PlanChanged, view: ClusterView | None, names: dict[str, str]) -> str:
+    """The log's words for a plan event (pure): the ring, but only where every node of it can
+    serve; while the coordinator re-plans (its view still holds the outgoing ring), or where a
+    node of the ring paused or left, the reason instead, never that ring as a plan."""
+    why = [f"{names.get(n, n)} {w}" for n in ev.ring if (w := unfit(view, n)) is not None]
+    if ev.service in REPLANNING:
+        return f"{ev.service}…" + (f" ({', '.join(why)})" if why else "")
+    if why:
+        return f"{ev.service}: waiting for a plan without {', '.join(why)}"
+    ring = " → ".join(f"{names.get(n, n)} [{a}-{b - 1}]" for n, (a, b) in zip(ev.ring, ev.layers, strict=True))
+    return f"plan ({ev.service}): {ring or 'no stages'}"
+
+
+def describe(ev: Event, names: dict[str, str], view: ClusterView | None = None) -> str | None:
+    """One line of the map's log for an event worth a line (pure); ``view``: the cluster with
+    ``ev`` applied (a plan is checked against it)."""
     t = time.strftime("%H:%M:%S", time.localtime(ev.at))
 
     def name(n: str) -> str:
@@ -123,8 +228,7 @@ def describe(ev: Event, names: dict[str, str]) -> str | None:
         why = f" ({ev.node.reason})" if ev.node.reason else ""
         return f"{t}  {ev.node.name}: {ev.node.state}{why}, {ev.node.role}"
     if isinstance(ev, PlanChanged):
-        ring = " → ".join(f"{name(n)} [{a}-{b - 1}]" for n, (a, b) in zip(ev.ring, ev.layers, strict=True))
-        return f"{t}  plan ({ev.service}): {ring or 'no stages'}"
+        return f"{t}  {plan_line(ev, view, names)}"
     if isinstance(ev, Failover):
         return f"{t}  failover: lost {name(ev.lost)}, streams resumed in {ev.seconds:.1f} s"
     if isinstance(ev, Takeover):
@@ -152,14 +256,30 @@ class MapCanvas(QWidget):
         self.view: ClusterView | None = None
         self.me: str | None = None
         self.selected: str | None = None
+        self.order: list[str] = []  # the nodes' places, kept across re-plans (stable_order)
         self.setMinimumSize(520, 420)
 
     def set_view(self, view: ClusterView | None, me: str | None) -> None:
         self.view, self.me = view, me
+        if view is not None:
+            self.order = stable_order(self.order, view)
         self.update()
 
     def boxes(self) -> dict[str, QRectF]:
-        return {} if self.view is None else layout(self.view, self.width(), self.height())
+        return {} if self.view is None else layout(self.view, self.width(), self.height(), self.order)
+
+    def labels(self) -> dict[str, tuple[str, QRectF]]:
+        """Each ring link's round-trip label and where it goes, keyed by the link's first node."""
+        v = self.view
+        if v is None:
+            return {}
+        boxes = self.boxes()
+        ring = [n for n in v.ring if n in boxes]
+        fm = QFontMetricsF(self.font())
+        texts = {n: link_label(info.next_rtt_ms) for n in ring if (info := v.node(n)) and info.next_rtt_ms is not None}
+        sizes = {n: (fm.horizontalAdvance(t) + 8, fm.height() + 2) for n, t in texts.items()}
+        rects = label_rects({n: r.center() for n, r in boxes.items()}, ring, sizes)
+        return {n: (texts[n], r) for n, r in rects.items()}
 
     def node_at(self, p: QPointF) -> str | None:
         return next((n for n, r in self.boxes().items() if r.contains(p)), None)
@@ -190,17 +310,16 @@ class MapCanvas(QWidget):
             a, b = boxes[n].center(), boxes[ring[(i + 1) % len(ring)]].center()
             p.drawLine(a, b)
             _arrow(p, a, b)
-            src = v.node(n)
-            if src is not None and src.next_rtt_ms is not None:
-                label = link_label(src.next_rtt_ms)
-                mid = (a + b) / 2
-                p.setPen(QColor("#0f172a"))
-                p.drawText(QRectF(mid.x() + 8, mid.y() - 22, 120, 18), Qt.AlignmentFlag.AlignLeft, label)
-                p.setPen(pen)
         for node, r in boxes.items():
             info = v.node(node)
             if info is not None:
                 self._box(p, r, info, node == v.coordinator, node == self.me, preparing_step(v, node))
+        for text, r in self.labels().values():  # on top: never under a box or a line
+            path = QPainterPath()
+            path.addRoundedRect(r, 4, 4)
+            p.fillPath(path, QBrush(QColor(255, 255, 255, 230)))
+            p.setPen(QColor("#0f172a"))
+            p.drawText(r, Qt.AlignmentFlag.AlignCenter, text)
         p.setPen(QColor("#334155"))
         model = f"{v.model or 'no model'} ({v.service})"
         if v.preparing is not None and v.preparing.step != "ready":
@@ -217,14 +336,16 @@ class MapCanvas(QWidget):
         border = QColor("#2563eb") if coordinator else QColor("#0ea5e9" if selected else "#cbd5e1")
         p.setPen(QPen(border, 4 if coordinator or selected else 1.5))
         p.drawPath(path)
-        p.fillRect(QRectF(r.left() + 1, r.top() + 8, 8, r.height() - 16), QColor(STATE_COLOURS.get(n.state, "#64748b")))
+        icon = node_icon_state(n, coordinator)
+        p.fillRect(QRectF(r.left() + 1, r.top() + 8, 8, r.height() - 16), QColor(FALLBACK_COLOURS[icon]))
+        p.drawPixmap(int(r.right()) - 24, int(r.top()) + 6, state_icon(icon).pixmap(18, 18))
         lines = node_lines(n, step)
         f = QFont(self.font())
         f.setBold(True)
         p.setFont(f)
         p.setPen(QColor("#0f172a"))
         title = ("★ " if coordinator else "") + lines[0] + (" (this laptop)" if me else "")
-        p.drawText(QRectF(r.left() + 16, r.top() + 6, r.width() - 20, 18), Qt.AlignmentFlag.AlignLeft, title)
+        p.drawText(QRectF(r.left() + 16, r.top() + 6, r.width() - 44, 18), Qt.AlignmentFlag.AlignLeft, title)
         f.setBold(False)
         p.setFont(f)
         p.setPen(QColor("#334155"))
@@ -237,8 +358,9 @@ class MapCanvas(QWidget):
 
 
 def _arrow(p: QPainter, a: QPointF, b: QPointF) -> None:
-    """An arrowhead halfway along a -> b (the ring's direction)."""
-    mid = (a + b) / 2
+    """An arrowhead on a -> b (the ring's direction), a little before halfway: the two links of a
+    two-node ring, one each way along the same line, show two arrowheads, not one on the other."""
+    mid = a + (b - a) * 0.4
     d = b - a
     length = math.hypot(d.x(), d.y()) or 1.0
     ux, uy = d.x() / length, d.y() / length
@@ -250,6 +372,30 @@ def _arrow(p: QPainter, a: QPointF, b: QPointF) -> None:
     path.lineTo(right)
     path.closeSubpath()
     p.fillPath(path, QBrush(QColor("#0e7490")))
+
+
+class Legend(QWidget):
+    """What the colours and icons of the map say: one entry per state a node shows (:data:`LEGEND`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        row = QHBoxLayout(self)
+        row.setContentsMargins(8, 2, 8, 2)
+        self.entries: dict[TrayState, QLabel] = {}
+        for state, words in LEGEND:
+            swatch = QLabel()
+            pm = QPixmap(8, 16)
+            pm.fill(QColor(FALLBACK_COLOURS[state]))
+            swatch.setPixmap(pm)
+            icon = QLabel()
+            icon.setPixmap(state_icon(state).pixmap(16, 16))
+            text = QLabel(words)
+            text.setStyleSheet("color:#334155")
+            for w in (swatch, icon, text):
+                row.addWidget(w)
+            row.addSpacing(10)
+            self.entries[state] = text
+        row.addStretch(1)
 
 
 class NodeMapWindow(QMainWindow):
@@ -295,8 +441,14 @@ class NodeMapWindow(QMainWindow):
             sv.addWidget(b)
         sv.addWidget(self.note)
         self.log = QListWidget()
+        self.legend = Legend()
+        left = QWidget()
+        lv = QVBoxLayout(left)
+        lv.setContentsMargins(0, 0, 0, 0)
+        lv.addWidget(self.canvas, 1)
+        lv.addWidget(self.legend)
         top = QSplitter()
-        top.addWidget(self.canvas)
+        top.addWidget(left)
         top.addWidget(side)
         top.setSizes([760, 300])
         outer = QSplitter(Qt.Orientation.Vertical)
@@ -317,7 +469,7 @@ class NodeMapWindow(QMainWindow):
         self.view = view
         if view is not None:
             self.names.update({n.node: n.name for n in view.nodes})
-        lines = [describe(ev, self.names), preparing_news(before, view.preparing if view else None, ev.at)]
+        lines = [describe(ev, self.names, view), preparing_news(before, view.preparing if view else None, ev.at)]
         for line in lines:
             if line is not None:
                 self.log_lines.append(line)

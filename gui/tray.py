@@ -2,7 +2,13 @@
 
 :class:`TrayApp` follows the local agent (``/v1/node``, every ``poll_s``) and the cluster's
 event stream, keeps the icon and tooltip current, rebuilds its menu each time it opens, and
-notifies the user of what concerns them. All network work is asyncio on the Qt loop.
+notifies the user of what concerns them (:mod:`gui.notify`: the desktop's notification service
+where there is one). All network work is asyncio on the Qt loop.
+
+Its user's switch answers at once: Pause and Resume show the agent's answer as soon as it comes,
+and a status read that was under way when the switch was flipped is dropped (it tells of the state
+before). A pause says why and when it ends; "Contribute while I work" (the agent's
+``throttle.while_in_use``: limit, not pause) stays on until it is turned off.
 
 In a cluster or not: an agent with no cluster credentials waits for one (``no_cluster``), and
 the menu then offers *Create a new cluster…* and *Join a cluster…* (:mod:`gui.cluster`); on the
@@ -19,7 +25,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from PySide6.QtCore import QObject, QTimer, QUrl, Signal
-from PySide6.QtGui import QAction, QDesktopServices
+from PySide6.QtGui import QAction
 from PySide6.QtWidgets import QMenu, QMessageBox, QSystemTrayIcon
 
 from agent.protocol.cluster_view import ClusterView
@@ -28,15 +34,18 @@ from agent.protocol.events import Event, Snapshot, apply_event
 from agent.protocol.status import NodeStatus
 from gui.agent_process import AgentProcess, log_folder
 from gui.client import ApiError, Client, Unreachable
-from gui.icons import app_icon, state_icon
+from gui.folder import FolderDialog, open_folder
+from gui.icons import state_icon
+from gui.notify import Notifier
 from gui.state import (
     TOOLTIPS,
+    CoordinatorWatch,
     Notice,
     TrayState,
-    cluster_notices,
+    can_resume,
+    contributes_while_working,
     holds_ca,
     notices,
-    paused_by_user,
     status_line,
     tray_state,
     waiting_for_cluster,
@@ -44,6 +53,8 @@ from gui.state import (
 
 log = logging.getLogger(__name__)
 HOUR_S = 3600.0
+WHILE_WORKING = "Contribute while I work"
+WATCH_S = 1.0  # how often a loss of the coordinator is weighed (CoordinatorWatch.tick)
 
 
 class TrayApp(QObject):
@@ -59,6 +70,8 @@ class TrayApp(QObject):
         poll_s: float = 1.0,
         on_quit: Callable[[], None] | None = None,
         confirm: Callable[[str, str], bool] | None = None,
+        notifier: Notifier | None = None,
+        open_url: Callable[[QUrl], bool] | None = None,
     ) -> None:
         super().__init__()
         self.client = client
@@ -69,11 +82,15 @@ class TrayApp(QObject):
         self.node: NodeStatus | None = None
         self.error: str | None = None
         self.view: ClusterView | None = None
-        self.last_coordinator: str | None = None
+        self.watch = CoordinatorWatch()
         self.names: dict[str, str] = {}
         self.state = TrayState.NO_CLUSTER
         self.shown: list[Notice] = []
         self.icon = QSystemTrayIcon(state_icon(self.state))
+        self.notifier = notifier or Notifier(self.icon)
+        self.open_url = open_url  # opens a folder in the file manager (None: the desktop's; tests give theirs)
+        self.folder_dialog: FolderDialog | None = None
+        self._switched = 0  # bumped by each flip of the switch: a status read begun before it is stale
         self.menu = QMenu()
         self.menu.aboutToShow.connect(self.build_menu)
         self.icon.setContextMenu(self.menu)
@@ -86,6 +103,8 @@ class TrayApp(QObject):
         self._tasks: list[asyncio.Task[Any]] = []
         self._tray_timer = QTimer(self)
         self._tray_timer.timeout.connect(self._show_when_tray_exists)
+        self._watch_timer = QTimer(self)
+        self._watch_timer.timeout.connect(self.weigh_coordinator)
         self.build_menu()
         self._apply()
 
@@ -94,6 +113,7 @@ class TrayApp(QObject):
         """Begin following the agent and the cluster; the icon appears once a tray exists."""
         self._tasks.append(asyncio.ensure_future(self._follow_node()))
         self._tasks.append(asyncio.ensure_future(self._follow_events()))
+        self._watch_timer.start(int(WATCH_S * 1000))
         self._show_when_tray_exists()
         if not self.icon.isVisible():
             self._tray_timer.start(1000)
@@ -106,13 +126,14 @@ class TrayApp(QObject):
 
     async def async_stop(self) -> None:
         self._tray_timer.stop()
+        self._watch_timer.stop()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks.clear()
-        for w in (self.join_dialog, self.invite_dialog):
+        for w in (self.join_dialog, self.invite_dialog, self.folder_dialog):
             if w is not None:
                 w.close()
         for w in (self.chat, self.map):
@@ -131,6 +152,7 @@ class TrayApp(QObject):
         if self.agent is not None and self.agent.exited():
             self._set(None, self.agent.failure())
             return
+        switched = self._switched
         try:
             answer = await self.client.node()
         except Unreachable as e:
@@ -140,6 +162,8 @@ class TrayApp(QObject):
             else:
                 self._set(None, str(e) if self.node is not None else None)
             return
+        if switched != self._switched:
+            return  # the switch was flipped while this was read: it tells of the state before
         self._read(answer)
 
     def _read(self, answer: dict[str, Any]) -> None:
@@ -162,6 +186,8 @@ class TrayApp(QObject):
         self.state = tray_state(self.node, self.error)
         self.icon.setIcon(state_icon(self.state))
         self.icon.setToolTip(f"lakeshard: {TOOLTIPS[self.state]}\n{status_line(self.node, self.error)}")
+        if not self.menu.isVisible():  # (an open menu is left as it is: rebuilt when it next opens)
+            self.build_menu()
 
     async def _follow_events(self) -> None:
         while True:
@@ -175,22 +201,25 @@ class TrayApp(QObject):
             await asyncio.sleep(1.0)
 
     def on_event(self, ev: Event) -> None:
-        for n in cluster_notices(self.last_coordinator, ev, self.names):
+        for n in self.watch.on_event(ev, self.names, time.time()):
             self.notify(n)
         self.view = apply_event(self.view, ev)
         if self.view is not None:
             self.names.update({n.node: n.name for n in self.view.nodes})
-            if self.view.coordinator is not None:
-                self.last_coordinator = self.view.coordinator
-        elif isinstance(ev, Snapshot):
-            self.last_coordinator = ev.view.coordinator
         self.cluster_event.emit((ev, self.view))
+
+    def weigh_coordinator(self, now: float | None = None) -> None:
+        """Tell a loss of the coordinator that lasted (every WATCH_S): the stream's facts, checked
+        against the election's (this agent's ``/v1/node`` names the coordinator it follows)."""
+        elected = self.node.coordinator if self.node is not None else None
+        for n in self.watch.tick(time.time() if now is None else now, elected, self.names):
+            self.notify(n)
 
     def notify(self, n: Notice) -> None:
         self.shown.append(n)
         self.notified.emit(n.title, n.text)
-        if self.icon.isVisible() and self.icon.supportsMessages():
-            self.icon.showMessage(n.title, n.text, app_icon(), 8000)
+        how = self.notifier.show(n)
+        log.info("notified (%s): %s", how, n.text)
 
     # -- the menu ---------------------------------------------------------------------------------
     def build_menu(self) -> None:
@@ -209,14 +238,23 @@ class TrayApp(QObject):
         if holds_ca(self.node):
             self._add(m, "Invite a laptop…", self.show_invite)
         m.addSeparator()
-        if paused_by_user(self.node):
+        if can_resume(self.node):
             self._add(m, "Resume contributing", lambda: self._run(self.async_resume()))
         else:
             sub = m.addMenu("Pause contributing")
             sub.setObjectName("pause")
             self._add(sub, "For 1 hour", lambda: self._run(self.async_pause(HOUR_S)))
             self._add(sub, "Until I resume", lambda: self._run(self.async_pause(None)))
-            sub.setEnabled(self.node is not None)
+            sub.setEnabled(self.node is not None and not waiting_for_cluster(self.node))
+        working = contributes_while_working(self.node)
+        w = self._add(m, WHILE_WORKING, lambda: self._run(self.async_contribute_while_working(not working)))
+        w.setCheckable(True)
+        w.setChecked(bool(working))
+        w.setEnabled(working is not None and not waiting_for_cluster(self.node))
+        w.setToolTip(
+            "On: while you use this laptop it goes on contributing, at a lower share and priority, "
+            "instead of pausing (until you turn this off)"
+        )
         if self.error and self.agent is not None:
             self._add(m, "Restart the agent", lambda: self._run(self.async_restart_agent()))
         m.addSeparator()
@@ -253,16 +291,49 @@ class TrayApp(QObject):
 
     # -- actions ----------------------------------------------------------------------------------
     async def async_pause(self, for_s: float | None) -> None:
-        try:
-            self._read(await self.client.set_state("paused", for_s))
-        except Unreachable as e:
-            self._set(self.node, str(e))
+        await self._switch("paused", for_s)
 
     async def async_resume(self) -> None:
+        await self._switch("available")
+
+    async def _switch(self, state: str, for_s: float | None = None) -> None:
+        """Flip the switch and show the agent's answer at once (a status read under way is dropped)."""
+        self._switched += 1
         try:
-            self._read(await self.client.set_state("available"))
+            answer = await self.client.set_state(state, for_s)
         except Unreachable as e:
             self._set(self.node, str(e))
+            return
+        except ApiError as e:
+            self.notify(Notice("lakeshard", f"The agent refused: {e}"))
+            return
+        self._switched += 1
+        self._read(answer)
+
+    async def async_contribute_while_working(self, on: bool) -> bool:
+        """Turn "Contribute while I work" on (``throttle.while_in_use: limit`` in the agent's
+        settings file, which the agent applies at once) or off (the default: pause); it stays
+        as set until turned again. Whether the agent took it."""
+        self._switched += 1
+        try:
+            cur = await self.client.settings()
+            raw = dict(cur.get("settings") or {})
+            th = dict(raw.get("throttle") or {})
+            if on:
+                th["while_in_use"] = "limit"
+            else:
+                th.pop("while_in_use", None)
+            raw["throttle"] = th
+            if not th:
+                del raw["throttle"]
+            await self.client.put_settings(raw)
+            answer = await self.client.node()
+        except (ApiError, Unreachable) as e:
+            self.notify(Notice("lakeshard", f"{WHILE_WORKING} was not changed: {e}"))
+            return False
+        self._switched += 1
+        self._read(answer)
+        return True
 
     async def async_restart_agent(self) -> None:
         if self.agent is None:
@@ -351,8 +422,15 @@ class TrayApp(QObject):
         return True
 
     def open_logs(self) -> None:
+        """The logs folder in the file manager; where none opens it, a dialog with its path and Copy."""
         folder = (self.node.log_dir if self.node else None) or str(log_folder())
-        QDesktopServices.openUrl(QUrl.fromLocalFile(folder))
+        if open_folder(folder, self.open_url):
+            return
+        log.info("no file manager opened %s: showing its path", folder)
+        if self.folder_dialog is not None:
+            self.folder_dialog.close()
+        self.folder_dialog = FolderDialog(folder, "logs folder")
+        _raise(self.folder_dialog)
 
     def show_about(self) -> None:
         from importlib.metadata import PackageNotFoundError, version

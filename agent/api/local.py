@@ -8,7 +8,10 @@
 * ``GET /v1/settings`` / ``PUT /v1/settings``: ``config.yaml``, read, and validated with the
   agent's own parser before it is written (``{"settings": {...}}`` or ``{"text": "..."}``; a
   new ``serve.model`` must name a model of the registry or the store, or an existing path);
-  election settings apply at once, the rest is listed under ``restart``;
+  the election's, the name, the log level and the throttle apply at once, the rest is listed
+  under ``restart``. The GET also says what the agent runs with (``effective``: every key, as
+  a settings file would write it) beside what its file gives (``from_file``, the same shape;
+  null when the file does not read), so that a reader can show which differ;
 * ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/chat/completions``, ``POST
   /v1/completions``, ``GET /v1/cluster/events``: the coordinator's, wherever it runs
   (:mod:`agent.api.gateway`);
@@ -22,6 +25,7 @@ answers, and ``no_cluster`` ones while this node waits for a cluster).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -33,7 +37,7 @@ from aiohttp import web
 
 from agent.api.cluster_model import ModelDoor, add_model_routes, check_override
 from agent.api.gateway import Door, Target, add_local_routes, describe
-from agent.common.config import ConfigError, Settings, config_file, load, parse
+from agent.common.config import ConfigError, Settings, config_file, load, parse, to_mapping
 from agent.common.http import api_error, json_errors
 from agent.common.logs import set_file_level
 from agent.common.paths import write_text_atomic
@@ -62,6 +66,8 @@ class Agent(Door, ModelDoor, Protocol):
     def coordinator_target(self) -> Target | None: ...
 
     def set_state(self, state: str, for_s: float | None = None) -> None: ...
+
+    def running_settings(self) -> Settings: ...
 
     def apply_settings(self, new: Settings, before: Settings | None = None) -> list[str]: ...
 
@@ -147,8 +153,19 @@ async def _get_settings(request: web.Request) -> web.Response:
         raw = yaml.safe_load(text) if text else {}
     except yaml.YAMLError:
         raw = None
+    from_file: dict[str, Any] | None = None  # a broken file: nothing to compare with
+    with contextlib.suppress(ConfigError):
+        if raw is not None or not text:
+            from_file = to_mapping(parse(raw or None))
     return web.json_response(
-        {"file": str(path), "exists": path.is_file(), "text": text, "settings": raw if isinstance(raw, dict) else {}}
+        {
+            "file": str(path),
+            "exists": path.is_file(),
+            "text": text,
+            "settings": raw if isinstance(raw, dict) else {},
+            "effective": to_mapping(d.running_settings()),
+            "from_file": from_file,
+        }
     )
 
 

@@ -52,7 +52,7 @@ import yaml
 
 from agent.common.paths import config_dir
 from agent.throttle.policy import ThrottleSettings
-from agent.throttle.settings import ThrottleSettingsError, parse_throttle
+from agent.throttle.settings import ThrottleSettingsError, parse_throttle, throttle_mapping
 
 CLUSTER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
@@ -281,6 +281,45 @@ def parse(d: Any) -> Settings:
         serve_api_concurrency=_count(serve, "api_concurrency", "requests in flight", MAX_CONCURRENCY),
         serve_attention=attention,
     )
+
+
+def to_mapping(s: Settings) -> dict[str, Any]:
+    """The settings file that gives ``s``, every key written out (defaults included): ``parse``
+    read back, so that what an agent runs with can be shown, and compared key by key with its file.
+    Keys not set (None) are left out, as a file leaves them out."""
+    d: dict[str, Any] = {
+        "cluster_id": s.cluster_id,
+        "name": s.name,
+        "port": s.port,
+        "api_port": s.api_port,
+        "discovery": {"mdns": s.mdns, "static_peers": [f"{h}:{p}" for h, p in s.static_peers]},
+        "election": {
+            "preferred": list(s.preferred),
+            "exclude": sorted(s.exclude),
+            "min_coordinator_memory_gb": s.min_coordinator_memory / 1024**3,
+        },
+        "interface": s.interface,
+        "insecure": s.insecure,
+        "log_level": s.log_level,
+        "models_dir": s.models_dir,
+        "throttle": throttle_mapping(s.throttle),
+        "serve": {
+            "model": s.serve_model,
+            "weights": s.serve_weights,
+            "api_port": s.serve_api_port,
+            "ring_port": s.serve_ring_port,
+            "streams": s.serve_streams,
+            "min_nodes": s.serve_min_nodes,
+            "api_rate": s.serve_api_rate,
+            "api_concurrency": s.serve_api_concurrency,
+            "attention": s.serve_attention,
+        },
+    }
+    return _drop_unset(d)
+
+
+def _drop_unset(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: _drop_unset(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}
 
 
 MAX_CONFIG_BYTES = 1 << 20

@@ -74,7 +74,7 @@ from agent.throttle.controller import Contribution
 
 log = logging.getLogger(__name__)
 # settings a running agent takes at once, and those it takes at its next start
-LIVE_KEYS = ("preferred", "exclude", "min_coordinator_memory", "log_level", "name")
+LIVE_KEYS = ("preferred", "exclude", "min_coordinator_memory", "log_level", "name", "throttle")
 RESTART_KEYS = (
     "cluster_id",
     "port",
@@ -196,6 +196,7 @@ class AgentDaemon:
             lambda: self.settings.throttle,
             enabled=opts.throttle and settings.throttle.enabled,
         )
+        self._throttle_task: asyncio.Task[None] | None = None  # reading the probes (while the throttle is on)
         self.tokens_seen = (time.monotonic(), 0)  # (when, positions): the token rate
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -209,13 +210,15 @@ class AgentDaemon:
         self._spawn(offering.probe(self))
         self._spawn(offering.refresh(self))
         if self.contrib.enabled:
-            self._spawn(self.contrib.run())
+            self._throttle_task = self._spawn(self.contrib.run())
         if self.elector is not None:
             self._spawn(self.supervisor.run())
             self._spawn(self.copies.run())
 
-    def _spawn(self, job: Coroutine[Any, Any, None]) -> None:
-        self._tasks.append(asyncio.create_task(job))
+    def _spawn(self, job: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        t = asyncio.create_task(job)
+        self._tasks.append(t)
+        return t
 
     async def _serve_public(self) -> None:
         """The data port (TCP): the stage server, the cluster identity routes and, for members, the
@@ -297,17 +300,34 @@ class AgentDaemon:
     def apply_settings(self, new: Settings, before: Settings | None = None) -> list[str]:
         """Take new settings from the settings file (``before``: what it said until now).
 
-        The election's settings apply at once; the rest take effect at the next start, and the
-        names of those that changed are returned."""
+        The election's, the name, the log level and the throttle's apply at once; the rest take
+        effect at the next start, and the names of those that changed are returned."""
         was = before or self.settings
         restart = [k for k in RESTART_KEYS if getattr(was, k) != getattr(new, k)]
         live = {k: getattr(new, k) for k in LIVE_KEYS}
+        throttle_was = self.settings.throttle
         self.settings = replace(self.settings, **live)
         if new.name != was.name:
             self.me.name = new.name or socket.gethostname()[:64] or None
         if self.elector is not None:
             self.elector.settings = self.settings
+        if self.settings.throttle != throttle_was:
+            self._throttle_changed()
         return restart
+
+    def _throttle_changed(self) -> None:
+        """The throttle's settings changed: follow them at once (starting the probes if it was off)."""
+        on = self.opts.throttle and self.settings.throttle.enabled
+        self.contrib.enabled = on
+        if on and (self._throttle_task is None or self._throttle_task.done()) and _loop_running():
+            self._throttle_task = self._spawn(self.contrib.run())
+        self.contrib.reconsider()
+        log.info("throttle settings applied: %s", self.settings.throttle)
+
+    def running_settings(self) -> Settings:
+        """The settings this agent runs with (its command line's, its certificate's cluster, the
+        throttle as it runs), which may differ from its settings file."""
+        return replace(self.settings, throttle=replace(self.settings.throttle, enabled=self.contrib.enabled))
 
     def _may_fetch(self, request: web.Request) -> bool:
         """Who may copy this node's exports: with TLS, whoever the peer middleware let in (a member's
@@ -387,6 +407,14 @@ class AgentDaemon:
 
     def cluster_status(self) -> dict[str, Any]:
         return status.cluster_status(self)
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _own_cluster(settings: Settings, certified: str | None) -> Settings:

@@ -8,7 +8,15 @@ from typing import TYPE_CHECKING, Any
 from agent import __version__
 from agent.common.paths import log_dir
 from agent.node.views import live_peers
-from agent.protocol.status import ClusterStatus, NodeStatus, PauseReason, StageStatus, reason_kind_field
+from agent.protocol.status import (
+    ClusterStatus,
+    NodeStatus,
+    PauseReason,
+    StageStatus,
+    ThrottlePolicy,
+    reason_kind_field,
+)
+from agent.throttle.settings import format_hours
 
 if TYPE_CHECKING:
     from agent.node.daemon import AgentDaemon
@@ -16,6 +24,23 @@ if TYPE_CHECKING:
 
 def _kind(d: AgentDaemon) -> PauseReason | None:
     return reason_kind_field(d.me.reason_kind) if d.me.state != "available" else None
+
+
+def throttle_policy(d: AgentDaemon) -> ThrottlePolicy:
+    """The settings its throttle runs with, as ``/v1/node`` tells the tray (when a pause ends)."""
+    t = d.settings.throttle
+    return ThrottlePolicy(
+        enabled=d.contrib.enabled,
+        idle_minutes=t.idle_minutes,
+        while_in_use=t.while_in_use,
+        temp_low_c=t.temp_low_c,
+        on_battery=t.on_battery,
+        battery_floor_pct=t.battery_floor_pct,
+        cpu_low_pct=round(t.cpu_low * 100, 3),
+        gpu_low_pct=round(t.gpu_low * 100, 3),
+        hours=format_hours(t.hours),
+        input_waived=d.contrib.input_waived,
+    )
 
 
 def node_status(d: AgentDaemon) -> dict[str, Any]:
@@ -33,6 +58,7 @@ def node_model(d: AgentDaemon) -> NodeStatus:
         reason=d.me.reason,
         reason_kind=_kind(d),
         paused_until=d.contrib.manual_until,
+        throttle_policy=throttle_policy(d),
         tok_s=d.me.tok_s,
         temp_c=d.me.temp_c,
         role=str(e.role) if e else "standalone",

@@ -210,6 +210,9 @@ class LocalAgent:
             raise NotJoined(NO_CLUSTER_HINT)
         self.daemon.set_state(state, for_s)
 
+    def running_settings(self) -> Settings:
+        return self.daemon.running_settings() if self.daemon is not None else self.settings
+
     def apply_settings(self, new: Settings, before: Settings | None = None) -> list[str]:
         if self.daemon is not None:
             return self.daemon.apply_settings(new, before)

@@ -41,6 +41,7 @@ from agent.protocol.control import (
 )
 
 NO_CLUSTER = "no_cluster"  # state and role of an agent that waits for 'cluster init' or 'join'
+MODES = ("pause", "limit", "run")  # what the user's input, or a battery, does (agent.throttle.policy.MODES)
 NODE_STATES = (*STATES, NO_CLUSTER)
 STATUS_ROLES = (*NODE_ROLES, NO_CLUSTER)
 MAX_PORT = 65535
@@ -107,6 +108,58 @@ def _attention(v: Any) -> str | None:
     return v  # type: ignore[no-any-return]
 
 
+def _hours(v: Any) -> str | None:
+    if v is None:
+        return None
+    if not isinstance(v, str) or len(v) > 11:
+        raise ProtocolError("bad_field", f"throttle_policy.hours must be null or like 08:00-19:00, got {v!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class ThrottlePolicy:
+    """When this laptop yields to its user: the settings its throttle runs with (``/v1/node``'s
+    ``throttle_policy``), so that a reader can say when a pause or a limit ends ("contributes again
+    after 2 min idle") and whether it contributes while its user works."""
+
+    enabled: bool = True
+    idle_minutes: float = 2.0  # no input for this long before contributing fully again
+    while_in_use: str = "pause"  # what input does: pause, limit or run (MODES)
+    temp_low_c: float = 80.0  # paused for heat until at or below this
+    on_battery: str = "pause"  # MODES
+    battery_floor_pct: float = 30.0  # below this charge: paused whatever on_battery says
+    cpu_low_pct: float = 30.0  # limited for load until other programs use at most this much
+    gpu_low_pct: float = 20.0
+    hours: str | None = None  # "08:00-19:00": contributes only then (None: any time)
+    input_waived: bool = False  # resumed while in use: limited, not paused, until its user leaves it
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def parse(cls, d: Any) -> ThrottlePolicy:
+        d = mapping_field(d, "throttle_policy")
+
+        def num(key: str, default: float, lo: float, hi: float) -> float:
+            return float_field(d.get(key, default), f"throttle_policy.{key}", lo, hi)
+
+        def mode(key: str) -> str:
+            return choice_field(d.get(key, "pause"), f"throttle_policy.{key}", MODES)
+
+        return ThrottlePolicy(
+            enabled=bool_field(d.get("enabled", True), "throttle_policy.enabled"),
+            idle_minutes=num("idle_minutes", 2.0, 0.0, 24 * 60),
+            while_in_use=mode("while_in_use"),
+            temp_low_c=num("temp_low_c", 80.0, -100.0, 300.0),
+            on_battery=mode("on_battery"),
+            battery_floor_pct=num("battery_floor_pct", 30.0, 0.0, 100.0),
+            cpu_low_pct=num("cpu_low_pct", 30.0, 0.0, 100.0),
+            gpu_low_pct=num("gpu_low_pct", 20.0, 0.0, 100.0),
+            hours=_hours(d.get("hours")),
+            input_waived=bool_field(d.get("input_waived", False), "throttle_policy.input_waived"),
+        )
+
+
 def _details(d: dict[str, Any], typed: type) -> dict[str, Any]:
     """The keys of ``d`` that ``typed`` has no field for, carried as they came."""
     names = {f.name for f in fields(typed)}
@@ -120,7 +173,7 @@ def _json(obj: Any) -> dict[str, Any]:
         if f.name == "details":
             continue
         v = getattr(obj, f.name)
-        if isinstance(v, StageStatus):
+        if isinstance(v, StageStatus | ThrottlePolicy):
             v = v.to_json()
         elif isinstance(v, tuple):
             v = [x.to_json() if isinstance(x, PeerStatus) else list(x) if isinstance(x, tuple) else x for x in v]
@@ -233,6 +286,7 @@ class NodeStatus:
     term: int = 0
     coordinator: str | None = None
     paused_until: float | None = None  # wall clock: the user's timed pause ends then
+    throttle_policy: ThrottlePolicy | None = None  # when it yields to its user (None: an older agent)
     tok_s: float = 0.0
     temp_c: float | None = None
     port: int | None = None
@@ -272,6 +326,7 @@ class NodeStatus:
             term=int_field(d.get("term", 0), "term"),
             coordinator=opt_id_field(d.get("coordinator"), "coordinator"),
             paused_until=opt_float(d.get("paused_until"), "paused_until", 0.0, 1e11),
+            throttle_policy=None if d.get("throttle_policy") is None else ThrottlePolicy.parse(d["throttle_policy"]),
             tok_s=float_field(d.get("tok_s", 0.0), "tok_s", 0.0, 1e7),
             temp_c=opt_float(d.get("temp_c"), "temp_c", -100.0, 300.0),
             port=opt_int(d.get("port"), "port", 1, MAX_PORT),

@@ -13,6 +13,12 @@ and the throttle policy over the probes (read every ``poll_s``). The stricter wi
 
 The stage is told through one call (``StageHost.throttle``), never by writing its fields.
 * AVAILABLE: all of that is undone (where the OS lets a process raise its priority again).
+
+Resuming while the user is at the keyboard ("Resume contributing" in the tray, when the policy
+pauses for input) is taken at its word: the node contributes at once, limited rather than paused,
+until its user leaves the laptop for ``idle_minutes`` (then the policy runs as set again). A
+change of the settings, or of the switch, applies at once: no dwell (it is the user's own act,
+not a noisy sensor).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import psutil
@@ -57,22 +64,49 @@ class Contribution:
         self.manual_until: float | None = None  # wall clock: the switch resets then
         self.decision: Decision | None = None
         self.readings: Readings | None = None
+        self.input_waived = False  # resumed while in use: limited, not paused, until its user leaves it
         self.probes: Probes | None = None
         self.changes = 0
         self._nice: int | None = None  # the priority before we lowered it
         self._applied: tuple[str, str | None] = (AVAILABLE, None)
+        self._clock: Clock | None = None  # the last clock observe() was given (tests give their own)
 
     # -- inputs ----------------------------------------------------------------------------------
-    def set_manual(self, state: str, for_s: float | None = None) -> None:
-        """The user's switch: ``available`` clears it; ``for_s`` makes it end by itself."""
+    def set_manual(self, state: str, for_s: float | None = None, now: float | None = None) -> None:
+        """The user's switch: ``available`` clears it (and, while they use the laptop, lets it
+        contribute limited until they leave it); ``for_s`` makes it end by itself. ``now``: the
+        clock ``observe`` is given (default: the wall clock)."""
         self.manual = None if state == AVAILABLE else state
         self.manual_until = time.time() + for_s if for_s and self.manual else None
+        if state == AVAILABLE and self.user_active():
+            self.input_waived = True
+        self.reconsider(now)
+
+    def user_active(self) -> bool:
+        """Whether the last readings say its user is at the laptop (input within ``idle_minutes``)."""
+        r = self.readings
+        s = self.settings()
+        return r is not None and r.idle_s is not None and r.idle_s < s.idle_minutes * 60 and not r.locked
+
+    def policy_settings(self) -> ThrottleSettings:
+        """The settings the policy runs with: the file's, with a pause for input made a limit while waived."""
+        s = self.settings()
+        return replace(s, while_in_use="limit") if self.input_waived and s.while_in_use == "pause" else s
+
+    def reconsider(self, now: float | None = None) -> None:
+        """Decide again from the last readings, at once (the settings or the switch changed), and apply."""
+        if self.readings is not None:
+            clock = self._clock or clock_now()
+            now = time.time() if now is None else now
+            self.decision = decide(self.decision, self.readings, self.policy_settings(), now, clock, dwell=False)
         self.apply()
 
     def expire(self, now: float | None = None) -> None:
+        """End a timed pause at its time (the policy then rules as set: no waiver, nobody resumed it)."""
         if self.manual_until is not None and (now or time.time()) >= self.manual_until:
             log.info("the pause asked for has ended")
-            self.set_manual(AVAILABLE)
+            self.manual, self.manual_until = None, None
+            self.reconsider(now)
 
     async def run(self) -> None:
         """Read the probes and follow the policy, until cancelled."""
@@ -88,7 +122,10 @@ class Contribution:
 
     def observe(self, r: Readings, now: float, clock: Clock | None = None) -> None:
         self.readings = r
-        d = decide(self.decision, r, self.settings(), now, clock or clock_now())
+        self._clock = clock
+        if self.input_waived and not self.user_active():
+            self.input_waived = False  # its user left it: the next time they use it, the policy runs as set
+        d = decide(self.decision, r, self.policy_settings(), now, clock or clock_now())
         if self.decision is None or (d.state, d.reason) != (self.decision.state, self.decision.reason):
             self.decision = d
             self.apply()
@@ -153,6 +190,7 @@ class Contribution:
             "policy": None if d is None else {"state": d.state, "reason": d.reason, "cause": d.cause, "since": d.since},
             "manual": self.manual,
             "manual_until": self.manual_until,
+            "input_waived": self.input_waived,
             "readings": None if self.readings is None else self.readings.brief(),
             "sources": self.probes.sources() if self.probes is not None else {},
             "changes": self.changes,

@@ -101,8 +101,17 @@ def _wants(prev: Decision | None, r: Readings, s: ThrottleSettings, clock: Clock
     return out
 
 
-def decide(prev: Decision | None, r: Readings, s: ThrottleSettings, now: float, clock: Clock | None = None) -> Decision:
-    """The state this node should be in now (pure)."""
+def decide(
+    prev: Decision | None,
+    r: Readings,
+    s: ThrottleSettings,
+    now: float,
+    clock: Clock | None = None,
+    *,
+    dwell: bool = True,
+) -> Decision:
+    """The state this node should be in now (pure). ``dwell=False``: relax at once, without
+    waiting out ``min_dwell_s`` (the user changed a setting or resumed: no noisy sensor to ride out)."""
     if not s.enabled:
         wants: list[tuple[str, str, str]] = []
     else:
@@ -113,7 +122,7 @@ def decide(prev: Decision | None, r: Readings, s: ThrottleSettings, now: float, 
         cause, reason = next((c, why) for st, c, why in wants if st == state)
     else:
         state, cause, reason = AVAILABLE, "", ""
-    if prev is not None and RANK[state] < RANK[prev.state] and now - prev.since < s.min_dwell_s:
+    if dwell and prev is not None and RANK[state] < RANK[prev.state] and now - prev.since < s.min_dwell_s:
         return replace(prev, latches=prev.latches | latches)  # too soon to relax
     if prev is not None and prev.state == state:
         if prev.cause == cause:

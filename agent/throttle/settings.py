@@ -84,6 +84,36 @@ def parse_hours(v: Any) -> tuple[int, int] | None:
     return a, b
 
 
+def format_hours(hours: tuple[int, int] | None) -> str | None:
+    """(480, 1140) -> "08:00-19:00" (``parse_hours`` read back)."""
+    if hours is None:
+        return None
+    a, b = hours
+    return f"{a // 60:02d}:{a % 60:02d}-{b // 60:02d}:{b % 60:02d}"
+
+
+def throttle_mapping(t: ThrottleSettings) -> dict[str, Any]:
+    """The ``throttle`` section that gives ``t`` (every key, defaults included): ``parse_throttle``
+    read back, for showing the settings an agent runs with."""
+    return {
+        "enabled": t.enabled,
+        "idle_minutes": t.idle_minutes,
+        "while_in_use": t.while_in_use,
+        "temp_high_c": t.temp_high_c,
+        "temp_low_c": t.temp_low_c,
+        "on_battery": t.on_battery,
+        "battery_floor_pct": t.battery_floor_pct,
+        "cpu_high_pct": "off" if t.cpu_high is None else round(t.cpu_high * 100, 6),
+        "cpu_low_pct": round(t.cpu_low * 100, 6),
+        "gpu_high_pct": "off" if t.gpu_high is None else round(t.gpu_high * 100, 6),
+        "gpu_low_pct": round(t.gpu_low * 100, 6),
+        "hours": format_hours(t.hours),
+        "days": [DAYS[d] for d in sorted(t.days)],
+        "limited_share": t.limited_share,
+        "min_dwell_s": t.min_dwell_s,
+    }
+
+
 def parse_days(v: Any) -> frozenset[int]:
     if v is None:
         return ALL_DAYS

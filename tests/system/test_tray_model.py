@@ -85,9 +85,9 @@ def test_the_model_tab_sets_the_clusters_model(
 
         # the Agent tab's override: a name that exists nowhere is refused too (nothing written)
         d.tabs.setCurrentIndex(0)
-        d.model.setText("no-such-model")
+        d.model.setEditText("no-such-model")  # (a name typed in, not one of the list)
         assert run(qloop, d.async_save()) is False
-        assert d.message.text().startswith("not saved: serve.model: unknown model 'no-such-model': use one of"), (
+        assert d.message.text().startswith("not saved: Override model: unknown model 'no-such-model': use one of"), (
             d.message.text()
         )
         assert "serve" not in _get(api, "/v1/settings")["settings"]
@@ -105,7 +105,7 @@ def test_the_model_tab_names_this_laptops_override(qloop: asyncio.AbstractEventL
         run(qloop, d.async_load())
         p = d.cluster_model
         assert p.override.text().startswith("this laptop overrides it with smollm2-135m (serve.model in config.yaml)")
-        assert d.model.text() == "smollm2-135m"  # the Agent tab's override field
+        assert d.form()["serve.model"] == "smollm2-135m"  # the Agent tab's override, picked in its list
         p.model.setCurrentIndex(p.model.findData("smollm2-135m"))
         assert run(qloop, d.async_save()) is True
         assert "this laptop overrides it with smollm2-135m" in d.message.text()

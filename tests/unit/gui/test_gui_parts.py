@@ -1,5 +1,6 @@
-"""The tray's pure parts: state -> icon, the status line, notifications, answers' Markdown,
-the conversation store, start-at-login files, the icon build, and the GUI's import boundary."""
+"""The tray's pure parts: state -> icon, the status line, notifications about this laptop (the
+cluster's: test_tray_notices.py), answers' Markdown, the conversation store, start-at-login
+files, the icon build, and the GUI's import boundary."""
 
 from __future__ import annotations
 
@@ -11,14 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from agent.protocol.cluster_view import ClusterView, NodeInfo
-from agent.protocol.events import CoordinatorLost, Failover, Snapshot
 from agent.protocol.status import NodeStatus, PauseReason
 from gui import autostart
 from gui.chat.markdown import render
 from gui.chat.store import Store
 from gui.chat.theme import from_colours
-from gui.state import Notice, TrayState, cluster_notices, notices, reason_kind, status_line, tray_state
+from gui.state import TrayState, notices, reason_kind, status_line, tray_state
 
 REPO = Path(__file__).resolve().parents[3]
 STAGE = {"assigned": True, "layers": [12, 24], "model": "qwen2.5-coder-1.5b"}
@@ -198,23 +197,6 @@ def test_a_timed_pause_says_until_when() -> None:
 )
 def test_notifications_for_this_laptop(before: NodeStatus | None, after: NodeStatus | None, texts: list[str]) -> None:
     assert [n.text for n in notices(before, after)] == texts
-
-
-def test_notifications_for_the_cluster() -> None:
-    a = NodeInfo("aaa", "laptop-a", "x:1", "coordinator", "available")
-    b = NodeInfo("bbb", "laptop-b", "x:2", "coordinator", "available")
-    names = {"aaa": "laptop-a", "bbb": "laptop-b"}
-    snap_b = Snapshot(1.0, ClusterView("c", "bbb", 2, nodes=(b,)))
-    assert cluster_notices(None, Snapshot(1.0, ClusterView("c", "aaa", 1, nodes=(a,))), names) == []
-    assert cluster_notices("aaa", CoordinatorLost(1.0, "aaa"), names) == [
-        Notice("lakeshard", "The cluster lost its coordinator (laptop-a); electing another…")
-    ]
-    assert cluster_notices(None, CoordinatorLost(1.0, None), names) == []
-    assert cluster_notices("aaa", snap_b, names) == [
-        Notice("lakeshard", "The cluster elected a new coordinator: laptop-b.")
-    ]
-    assert cluster_notices("bbb", snap_b, names) == []
-    assert "laptop-b" in cluster_notices("aaa", Failover(1.0, "bbb", 2.0, 3), names)[0].text
 
 
 def test_answers_render_markdown_with_a_copy_link_per_code_block_and_no_raw_html() -> None:
