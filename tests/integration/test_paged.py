@@ -51,7 +51,7 @@ def exports(smollm2: Any) -> dict[int, Path]:
 
 @pytest.fixture(scope="module")
 def paged(exports: dict[int, Path]) -> dict[int, PagedChain]:
-    """Paged chains in the default precision (f32 activations, f16 KV cache), one thread."""
+    """Paged chains in the default precision (f32 activations and KV cache), one thread."""
     return {n: PagedChain.load(d, device="CPU", threads=1, num_blocks=128) for n, d in exports.items()}
 
 
@@ -61,16 +61,20 @@ def _greedy_one(chain: PagedChain, prompt: list[int], n: int) -> Request:
 
 @pytest.mark.parametrize("stages", [1, 2])
 def test_one_stream_gives_the_stateful_chains_tokens(
-    stages: int, exports: dict[int, Path], paged: dict[int, PagedChain], prompts: list[list[int]]
+    stages: int, exports: dict[int, Path], prompts: list[list[int]]
 ) -> None:
-    stateful = Chain.load(exports[stages], device="CPU", threads=1)
+    """In exact precision (f32, no dynamic quantization): in the default one, a CPU with VNNI or
+    AMX quantizes the two paths' activations differently (logits about 1 apart, measured)."""
+    stateful = Chain.load(exports[stages], device="CPU", threads=1, exact=True)
+    chain = PagedChain.load(exports[stages], device="CPU", threads=1, num_blocks=128, exact=True)
     for prompt in prompts[:2]:
         want = stateful.generate(prompt, max_tokens=32, keep_logits=True)
-        got = _greedy_one(paged[stages], prompt, 32)
+        got = _greedy_one(chain, prompt, 32)
         assert got.tokens == want.tokens
         diff = max(float(np.abs(a - b).max()) for a, b in zip(got.logits, want.logits, strict=True))
-        report(f"paged vs stateful, {stages} stage(s), default precision, 32 tokens: max |logit diff| {diff:.2e}")
-    assert paged[stages].free_blocks == 128
+        assert diff < 1e-3
+        report(f"paged vs stateful, {stages} stage(s), exact, 32 tokens: max |logit diff| {diff:.2e}")
+    assert chain.free_blocks == 128
 
 
 @pytest.mark.parametrize("stages", [1, 2])
