@@ -63,8 +63,10 @@ class Answer:
         b = dict(body)
         if self.seed is not None:
             b["seed"] = self.seed
-        if self.ids or self.sent:
-            b["lakeshard"] = {"continue": list(self.ids), "sent": self.sent}
+        if self.ids or self.sent:  # (what else the client asked of ``lakeshard`` stays asked)
+            asked = b.get("lakeshard")
+            own = asked if isinstance(asked, dict) else {}
+            b["lakeshard"] = {**own, "continue": list(self.ids), "sent": self.sent}
         return json.dumps(b).encode()
 
     def take(self, obj: dict[str, Any], continuing: bool, keep_ids: bool = False) -> dict[str, Any] | None:

@@ -1,9 +1,15 @@
-"""Tokenizer with the model's own chat template, stop tokens and streaming detokenisation."""
+"""Tokenizer with the model's own chat template, stop tokens and streaming detokenisation.
+
+A chat prompt ends either with the template's generation prompt (a new assistant turn begins) or,
+to continue an answer, with the final assistant message left open: the template's text up to
+where that message's content begins, then the content as it was sent, and no end-of-turn marker
+after it (:func:`open_final_message`), so that the model goes on with the same answer.
+"""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +22,31 @@ _END_MARKERS = (
     "</s>",
     "<|eom_id|>",
 )
+
+# what stands for the final message's content while the template renders: where it shows, the
+# content begins (the template may wrap it in anything, but must show it)
+OPEN_MARK = "LAKESHARD-OPEN-ANSWER-5f0c"
+
+
+class NotContinuable(ValueError):
+    """The conversation has no final assistant message to go on with, or the chat template does
+    not show that message's content (it leaves it out, or rewrites it)."""
+
+
+def open_final_message(
+    render: Callable[[list[dict[str, str]]], str], messages: Sequence[dict[str, str]]
+) -> tuple[str, str]:
+    """The prompt that continues the final (assistant) message of ``messages``, in two parts: the
+    template's text before that message's content, and the content as sent (never trimmed by
+    the template: the model goes on after exactly what it said). ``render`` is the chat template
+    applied to messages without a generation prompt. Raises :class:`NotContinuable`."""
+    if not messages or messages[-1].get("role") != "assistant":
+        raise NotContinuable("the last message must be the assistant's: the answer to continue")
+    text = render([*messages[:-1], {**messages[-1], "content": OPEN_MARK}])
+    at = text.rfind(OPEN_MARK)
+    if at < 0:
+        raise NotContinuable("this model's chat template does not show the final assistant message")
+    return text[:at], messages[-1]["content"]
 
 
 class ChatTokenizer:
@@ -41,13 +72,25 @@ class ChatTokenizer:
         """A lower bound on ``len(chat_ids(messages))``, at once: to refuse a huge prompt untokenized."""
         return sum(len(m.get("content", "")) for m in messages) // self.max_token_chars
 
-    def chat_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def chat_ids(self, messages: Sequence[dict[str, str]], continue_final: bool = False) -> list[int]:
+        """The prompt's ids: ``messages`` through the chat template, ending with its generation
+        prompt, or (``continue_final``) with the final assistant message left open. The open
+        message's content is tokenized on its own, as the model's tokens followed the template's
+        (the ids begin as those of the conversation before it, with its generation prompt)."""
+        if continue_final:
+            prefix, content = open_final_message(self._render, messages)
+            return self.encode(prefix) + self.encode(content)
         if self.tok.chat_template:
             out = self.tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
             ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
             return [int(i) for i in ids]
-        text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
-        return self.encode(text)
+        return self.encode(_plain(messages) + "\nassistant:")
+
+    def _render(self, messages: list[dict[str, str]]) -> str:
+        """``messages`` as the prompt's text, without a generation prompt."""
+        if self.tok.chat_template:
+            return str(self.tok.apply_chat_template(messages, add_generation_prompt=False, tokenize=False))
+        return _plain(messages)
 
     def text_ids(self, text: str) -> list[int]:
         """A raw prompt's ids (a legacy completion's: no chat template), begun as the model's
@@ -62,6 +105,11 @@ class ChatTokenizer:
 
     def stream(self) -> StreamDecoder:
         return StreamDecoder(self)
+
+
+def _plain(messages: Sequence[dict[str, str]]) -> str:
+    """A conversation as text, for a model without a chat template."""
+    return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
 
 
 class StreamDecoder:

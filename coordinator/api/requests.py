@@ -7,6 +7,11 @@ share the sampling fields and the rule for parameters this server does not imple
 refused by name unless it is at its neutral value (``presence_penalty: 0``, ``tools: []``,
 ``response_format: {"type": "text"}``...), never accepted and silently ignored. A parameter
 OpenAI's API does not have at all is refused too (``unknown_parameter``), as OpenAI does.
+
+One extension is vLLM's: ``continue_final_message: true`` (also taken as
+``lakeshard.continue_final_message``) goes on with the final message, which must be the
+assistant's, instead of starting a new turn after it (the chat template leaves that message
+open). With it, vLLM's ``add_generation_prompt`` may be sent as vLLM requires, ``false``.
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ TEXT_REFUSED: dict[str, tuple[Neutral, str]] = {
 # what each kind implements (with "n", "stream" and "stream_options" checked here too)
 SAMPLING = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options"})
 CHAT_FIELDS = SAMPLING | {"messages", "max_completion_tokens", "lakeshard"}
+CHAT_FIELDS |= {"continue_final_message", "add_generation_prompt"}  # (vLLM's: an answer continued)
 TEXT_FIELDS = SAMPLING | {"prompt"}
 
 
@@ -197,6 +203,7 @@ def parse_chat_request(body: Any, limit: int) -> tuple[list[dict[str, str]], dic
     max_tokens = _max_tokens(body, key, CHAT_DEFAULT_MAX_TOKENS, limit)
     opts = sampling_opts(body, max_tokens)
     opts["continue"], opts["sent"] = continuation(body.get("lakeshard"), max_tokens)
+    opts["continue_final"] = continue_final(body, clean)
     return clean, opts
 
 
@@ -213,6 +220,37 @@ def parse_text_request(body: Any, limit: int) -> tuple[str, dict[str, Any]]:
             "prompt",
         )
     return prompt, sampling_opts(body, _max_tokens(body, "max_tokens", TEXT_DEFAULT_MAX_TOKENS, limit))
+
+
+def _flag(v: Any, name: str) -> bool:
+    if v is not None and not isinstance(v, bool):
+        raise BadRequest(f"{name} must be true or false", name)
+    return bool(v)
+
+
+def continue_final(body: dict[str, Any], messages: list[dict[str, str]]) -> bool:
+    """Whether the answer goes on with the final message (``continue_final_message``, vLLM's
+    name, or ``lakeshard.continue_final_message``), which must then be the assistant's. vLLM's
+    ``add_generation_prompt`` is taken where it agrees: true (or absent) for a new turn, false
+    (or absent) when continuing."""
+    lk = body.get("lakeshard")
+    inner = lk.get("continue_final_message") if isinstance(lk, dict) else None
+    top = _flag(body.get("continue_final_message"), "continue_final_message")
+    on = _flag(inner, "lakeshard.continue_final_message") or top
+    prompt = body.get("add_generation_prompt")
+    if prompt is not None and prompt is not (not on):
+        raise BadRequest(
+            "add_generation_prompt must be false with continue_final_message (the answer goes on, no new turn "
+            "begins) and true without it",
+            "add_generation_prompt",
+        )
+    if on and messages[-1]["role"] != "assistant":
+        raise BadRequest(
+            "continue_final_message needs the last message to be the assistant's (the answer to continue); "
+            f"the last message is the {messages[-1]['role']}'s",
+            "continue_final_message" if top else "lakeshard.continue_final_message",
+        )
+    return on
 
 
 def continuation(v: Any, max_tokens: int) -> tuple[tuple[int, ...], int]:

@@ -1,6 +1,7 @@
 """OpenAI-compatible API: ``/v1/models`` (and ``/v1/models/{id}``), ``/v1/chat/completions`` and the
 legacy ``/v1/completions`` (a prompt as raw text, no chat template), both with SSE streaming and
-one generation path.
+one generation path. A chat completion with ``continue_final_message`` (vLLM's extension) goes on
+with the final assistant message instead of answering after it.
 
 Listens on 127.0.0.1 unless configured otherwise; then a key is required. Requests are
 limited per client (rate and concurrency, :mod:`coordinator.api.limits`) after authentication:
@@ -22,6 +23,7 @@ from aiohttp import web
 from agent.api.events import async_serve_events
 from agent.common.http import json_errors
 from agent.protocol.events import StreamFinished, StreamStarted
+from agent.runtime.tokenizer import NotContinuable
 from coordinator.api import answers
 from coordinator.api.answers import CHAT, TEXT, Shape
 from coordinator.api.generation import Tally
@@ -172,7 +174,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     at_least = st.tokenizer.min_tokens(msgs)
     if at_least + opts["max_tokens"] > st.context_limit:  # certain without tokenizing megabytes
         return _too_long(f"at least {at_least}", opts["max_tokens"], st)
-    ids = await asyncio.to_thread(st.tokenizer.chat_ids, msgs)  # tokenizing takes seconds for megabytes
+    try:  # tokenizing takes seconds for megabytes
+        ids = await asyncio.to_thread(st.tokenizer.chat_ids, msgs, opts["continue_final"])
+    except NotContinuable as e:
+        return error(400, f"continue_final_message: {e}", param="continue_final_message")
     return await _answer(request, st, CHAT, ids, opts)
 
 

@@ -10,11 +10,13 @@ follows it through the signals and reads ``live`` to draw the answer being writt
 
 Besides asking, it regenerates the last answer (:meth:`AnswerStream.retry`: the new one
 replaces it), resends an edited last question (:meth:`AnswerStream.resend`: the turn is
-replaced) and goes on with an answer cut at the token limit (:meth:`AnswerStream.go_on`: what
-comes joins the same answer). Each answer keeps how it ended (``finish``) and who computed it:
-every plan (nodes in stage order) it ran on, from the cluster as the event stream told it while
-it streamed (:meth:`AnswerStream.saw_plan`) and the nodes the API named at its end, with their
-names as known then, so that it says the same later, when those laptops are gone.
+replaced) and goes on with an answer cut at the token limit (:meth:`AnswerStream.go_on`: the
+partial answer goes as the final assistant message with ``continue_final_message``, so that the
+model continues that very answer, and what comes joins it). Each answer keeps how it ended
+(``finish``) and who computed it: every plan (nodes in stage order) it ran on, from the cluster
+as the event stream told it while it streamed (:meth:`AnswerStream.saw_plan`) and the nodes the
+API named at its end, with their names as known then, so that it says the same later, when
+those laptops are gone.
 """
 
 from __future__ import annotations
@@ -33,10 +35,6 @@ from gui.chat.transcript import cut_short, failed
 from gui.client import ApiError, Client, Interrupted, Unreachable
 
 log = logging.getLogger(__name__)
-# what asks the model to go on with an answer cut at the token limit: the API has no "continue
-# this assistant message" (a trailing assistant message gets a new turn after it), so the
-# conversation goes with the partial answer as the assistant's, and this as the user's
-CONTINUE_PROMPT = "Continue your previous answer exactly where it stopped, without repeating anything."
 
 
 @dataclass
@@ -205,10 +203,13 @@ class AnswerStream(QObject):
 
     async def _stream(self, cid: int, live: dict[str, Any], model: str | None, temperature: float) -> None:
         history = self.store.history(cid)  # (the empty answer being written is left out)
-        if live["base"] is not None:  # the partial answer is the assistant's; ask it to go on
-            history.append({"role": "user", "content": CONTINUE_PROMPT})
+        extra: dict[str, Any] = {}
+        if live["base"] is not None:  # the partial answer is the final message, left open: it goes on
+            if not history or history[-1]["role"] != "assistant":
+                history.append({"role": "assistant", "content": live["base"][0]})
+            extra["continue_final_message"] = True
         stats = live["stats"]
-        async for ch in self.client.chat(history, model=model, temperature=temperature):
+        async for ch in self.client.chat(history, model=model, temperature=temperature, **extra):
             if ch.note:  # the cluster says why the answer waits (the gateway splicing in the rest)
                 live["note"] = ch.note
                 self.noted.emit(ch.note)

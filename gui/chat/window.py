@@ -6,12 +6,12 @@ model and unsent draft) live in SQLite (:mod:`gui.chat.store`); answers stream i
 answers, the window says so, keeps the message in the box and sends it once one does; an
 answer that breaks off keeps its text, marked "interrupted", and Retry asks again.
 
-On the last turn, Regenerate asks again (the new answer replaces the old), Edit puts the
-question back in the box (sending it replaces the turn), and Continue goes on with an answer
-the token limit cut ("stopped: length"). Ctrl+F searches all conversations; Export saves one
-as Markdown (:mod:`gui.chat.export`). Its colours come from the palette, light or dark as the
-system's (:mod:`gui.chat.theme`), and change with it. Shortcuts: Ctrl+Enter sends, Esc stops,
-Ctrl+N starts a conversation, Ctrl+F searches, Ctrl+Shift+C copies the last code block.
+What can be done with the last turn (Retry, Regenerate, Edit, Continue) is
+:mod:`gui.chat.turn`'s; the search across conversations (Ctrl+F) :mod:`gui.chat.search`'s;
+Export saves a conversation as Markdown (:mod:`gui.chat.export`). Its colours come from the
+palette, light or dark as the system's (:mod:`gui.chat.theme`), and change with it. Shortcuts:
+Ctrl+Enter sends, Esc stops, Ctrl+N starts a conversation, Ctrl+F searches, Ctrl+Shift+C copies
+the last code block.
 """
 
 from __future__ import annotations
@@ -20,21 +20,22 @@ import asyncio
 import contextlib
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import QEvent, QStandardPaths, Qt, QTimer, QUrl, Signal
-from PySide6.QtGui import QGuiApplication, QKeySequence, QShortcut, QTextCursor
-from PySide6.QtWidgets import QFileDialog, QInputDialog, QListWidgetItem, QMessageBox
+from PySide6.QtCore import QEvent, Qt, QTimer, QUrl, Signal
+from PySide6.QtGui import QGuiApplication, QKeySequence, QShortcut
+from PySide6.QtWidgets import QInputDialog, QListWidgetItem, QMessageBox
 
 from agent.protocol.cluster_view import ClusterView, Preparation
 from agent.protocol.events import Event
 from gui.chat import export, preparing
 from gui.chat.answer import AnswerStream, Ended
 from gui.chat.layout import ChatLayout
+from gui.chat.search import ConversationSearch
 from gui.chat.store import Store
 from gui.chat.theme import Theme, from_palette
-from gui.chat.transcript import cut_short, transcript_html
+from gui.chat.transcript import transcript_html
+from gui.chat.turn import LastTurn
 from gui.client import ApiError, BadAddress, Client, NotServing, Unreachable
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,8 @@ class ChatWindow(ChatLayout):
         self.cluster: ClusterView | None = None  # the cluster as the tray's event stream tells it
         self.answers = AnswerStream(client, self.store, self.names, ring=self._serving_ring)
         self.conversation: int | None = None
-        self.editing: tuple[int, int] | None = None  # (conversation, question id): Send replaces that turn
+        self.turn = LastTurn(self)  # Retry, Regenerate, Edit, Continue (and the turn being edited)
+        self.finder = ConversationSearch(self)
         self.theme: Theme = from_palette(self.palette())
         self.blocks: list[str] = []
         self.reachable: bool | None = None
@@ -94,23 +96,17 @@ class ChatWindow(ChatLayout):
         self.rename_btn.clicked.connect(self._ask_rename)
         self.delete_btn.clicked.connect(self._ask_delete)
         self.export_btn.clicked.connect(self._ask_export)
-        self.search.textChanged.connect(self._filter)
-        self.search.returnPressed.connect(self._open_first_match)
         self.model.currentTextChanged.connect(self._model_picked)
         self.system_btn.toggled.connect(lambda on: self.system.setVisible(on))
         self.system.textChanged.connect(self._system_changed)
         self.transcript.anchorClicked.connect(self._link)
-        self.retry_btn.clicked.connect(self.retry)
-        self.continue_btn.clicked.connect(self.go_on)
-        self.regenerate_btn.clicked.connect(self.regenerate)
-        self.edit_btn.clicked.connect(self.edit)
         self.stop_btn.clicked.connect(self.stop)
         self.send_btn.clicked.connect(self.send)
         for keys, slot in (
             ("Ctrl+Return", self.send),
             ("Esc", self._escape),
             ("Ctrl+N", self.new_conversation),
-            ("Ctrl+F", self._focus_search),
+            ("Ctrl+F", self.finder.focus),
             ("Ctrl+Shift+C", self.copy_last_code),
         ):
             QShortcut(QKeySequence(keys), self, slot)
@@ -138,20 +134,20 @@ class ChatWindow(ChatLayout):
         ids = [c.id for c in convs]
         target = select if select in ids else (self.conversation if self.conversation in ids else ids[0])
         self.list.setCurrentRow(ids.index(target))
-        self._filter(self.search.text())
+        self.finder.refilter()
         self.open_conversation(target)
 
     def _picked(self, item: QListWidgetItem | None, _prev: Any = None) -> None:
         if item is not None:
             self.open_conversation(int(item.data(Qt.ItemDataRole.UserRole)))
-            self._find_in_transcript()
+            self.finder.show_words()
 
     def open_conversation(self, cid: int) -> None:
         if cid == self.conversation:
             return
         self._save_draft()
         self.conversation = cid
-        self.editing = None
+        self.turn.editing = None
         if self.streaming is None:  # (what the status line said was about the last one)
             self.status.setText("")
         conv = self.store.get(cid)
@@ -174,59 +170,13 @@ class ChatWindow(ChatLayout):
         self._load_conversations(select=cid)
         return cid
 
-    # -- search and export ----------------------------------------------------------------------
-    def _focus_search(self) -> None:
-        self.search.setFocus()
-        self.search.selectAll()
-
-    def _filter(self, words: str) -> None:
-        """Show only the conversations that say ``words`` (all, when empty), each with the words
-        around its first match as its tooltip."""
-        hits = dict(self.store.search(words)) if words.strip() else None
-        for i in range(self.list.count()):
-            it = self.list.item(i)
-            cid = int(it.data(Qt.ItemDataRole.UserRole))
-            it.setHidden(hits is not None and cid not in hits)
-            it.setToolTip(hits.get(cid, "") if hits is not None else "")
-
-    def _open_first_match(self) -> None:
-        """Enter in the search box: open the first conversation found, at the words."""
-        for i in range(self.list.count()):
-            it = self.list.item(i)
-            if not it.isHidden():
-                self.list.setCurrentItem(it)
-                self.open_conversation(int(it.data(Qt.ItemDataRole.UserRole)))
-                self._find_in_transcript()
-                return
-
-    def _find_in_transcript(self) -> None:
-        """Select the searched words in the open conversation, and scroll to them."""
-        words = self.search.text().strip()
-        if words:
-            self.transcript.moveCursor(QTextCursor.MoveOperation.Start)
-            self.transcript.find(words)
-
-    def export_to(self, cid: int, path: Path) -> Path:
-        """Save conversation ``cid`` to ``path`` as Markdown."""
-        return export.export(self.store, cid, path, self.names)
-
     def _ask_export(self) -> None:
+        """Export: save the conversation shown as Markdown, where the user picks."""
         if self.conversation is None:
             return
-        conv = self.store.get(self.conversation)
-        where = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.DocumentsLocation) or str(Path.home())
-        name = export.file_name(conv.title if conv else "conversation")
-        path, _ = QFileDialog.getSaveFileName(
-            self, "Export conversation", str(Path(where) / name), "Markdown (*.md);;All files (*)"
-        )
-        if not path:
-            return
-        try:
-            done = self.export_to(self.conversation, Path(path))
-        except OSError as e:
-            QMessageBox.warning(self, "Export conversation", f"Could not write {path}: {e.strerror or e}")
-            return
-        self.status.setText(f"saved {done.name}")
+        done = export.save_dialog(self, self.store, self.conversation, self.names)
+        if done is not None:
+            self.status.setText(f"saved {done.name}")
 
     def rename(self, cid: int, title: str) -> None:
         self.store.rename(cid, title)
@@ -277,15 +227,9 @@ class ChatWindow(ChatLayout):
         if self.conversation is None:
             return
         msgs = self.store.messages(self.conversation)
-        offer = self.offers()
+        offer = self.turn.offers()
         page, self.blocks = transcript_html(msgs, self.live, self.names, self.theme, offer)
-        for action, btn in (
-            ("retry", self.retry_btn),
-            ("continue", self.continue_btn),
-            ("regenerate", self.regenerate_btn),
-            ("edit", self.edit_btn),
-        ):
-            btn.setVisible(action in offer)
+        self.turn.show(offer)
         bar = self.transcript.verticalScrollBar()
         at_end = to_end or bar.value() >= bar.maximum() - 4
         self.transcript.setHtml(page)
@@ -295,9 +239,8 @@ class ChatWindow(ChatLayout):
 
     def _link(self, url: QUrl) -> None:
         s = url.toString()
-        actions = {"retry:": self.retry, "continue:": self.go_on, "regenerate:": self.regenerate, "edit:": self.edit}
-        if s in actions:
-            actions[s]()
+        if s.endswith(":") and s[:-1] in self.turn.actions:
+            self.turn.actions[s[:-1]]()
             return
         if s.startswith("copy:"):
             self._copy(int(s[5:]) if s[5:].isdigit() else -1)
@@ -328,81 +271,20 @@ class ChatWindow(ChatLayout):
         self.input.blockSignals(True)
         self.input.clear()
         self.input.blockSignals(False)
-        model, temperature = self.model.currentText() or None, self.temperature.value()
-        editing, self.editing = self.editing, None
-        turn = self.answers.last_turn(cid)
-        if editing is not None and editing[0] == cid and turn is not None and turn[0].id == editing[1]:
-            self.answers.resend(cid, editing[1], text, model, temperature)
-        else:
-            self.answers.ask(cid, text, model, temperature)
-        self._started()
+        self.turn.send(cid, text, self.model.currentText() or None, self.temperature.value())
+        self.started()
         self._load_conversations(select=cid)  # (it moves to the top of the list)
-
-    def can_retry(self) -> bool:
-        """Whether the shown conversation ends in a failed answer that Retry can ask again."""
-        return self.answers.can_retry(self.conversation)
-
-    def offers(self) -> set[str]:
-        """What can be done with the shown conversation's last turn now: retry (its answer
-        failed), continue (the token limit cut it), regenerate and edit (any whole turn)."""
-        turn = self.answers.last_turn(self.conversation)
-        if turn is None:
-            return set()
-        if self.can_retry():
-            return {"retry", "edit"}
-        return {"regenerate", "edit"} | ({"continue"} if cut_short(turn[1].stats) else set())
-
-    def regenerate(self) -> None:
-        """Ask the last question again: the new answer replaces the old one, in the store too."""
-        if self.answers.last_turn(self.conversation) is None:
-            return
-        assert self.conversation is not None
-        self.editing = None
-        self.answers.retry(self.conversation, self.model.currentText() or None, self.temperature.value())
-        self._started()
-
-    def edit(self) -> None:
-        """Put the last question back in the box: Send replaces that turn (Esc leaves it be)."""
-        turn = self.answers.last_turn(self.conversation)
-        if turn is None or self.conversation is None:
-            return
-        self.editing = (self.conversation, turn[0].id)
-        self.input.setPlainText(turn[0].content)
-        self.input.setFocus()
-        self.input.moveCursor(QTextCursor.MoveOperation.End)
-        self.status.setText("Editing your last message: Send replaces that turn, Esc cancels.")
-
-    def go_on(self) -> None:
-        """Continue the answer the token limit cut: what comes joins the same answer."""
-        if not self.answers.can_continue(self.conversation):
-            return
-        assert self.conversation is not None
-        self.editing = None
-        self.answers.go_on(self.conversation, self.model.currentText() or None, self.temperature.value())
-        self._started()
 
     def _escape(self) -> None:
         """Esc: stop the answer; with none streaming, leave an edit be (the box is emptied) or
         clear the search being typed."""
         if self.streaming is not None:
             self.stop()
-        elif self.search.hasFocus() and self.search.text():
-            self.search.clear()
-        elif self.editing is not None:
-            self.editing = None
-            self.input.clear()
-            self.status.setText("")
+        elif not self.finder.clear_typed():
+            self.turn.leave_edit()
 
-    def retry(self) -> None:
-        """Ask the last question again; the new answer replaces the failed one."""
-        if not self.can_retry():
-            return
-        assert self.conversation is not None
-        self.editing = None
-        self.answers.retry(self.conversation, self.model.currentText() or None, self.temperature.value())
-        self._started()
-
-    def _started(self) -> None:
+    def started(self) -> None:
+        """An answer is on its way (asked, asked again, or going on): the window says so."""
         self.send_btn.setEnabled(False)
         self.stop_btn.setEnabled(True)
         self.status.setText("waiting for the first token…")

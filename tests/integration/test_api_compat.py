@@ -1,7 +1,7 @@
 """The API as the official ``openai`` client uses it, on a real cluster (the session's ``served3``):
 a model retrieved by id, the legacy ``/v1/completions`` (raw text, whole and streamed), parameters
-that are not implemented refused by name, the same routes through an agent's local API, and a
-taken API port said in one line."""
+that are not implemented refused by name, an answer continued (``continue_final_message``), the
+same routes through an agent's local API, and a taken API port said in one line."""
 
 from __future__ import annotations
 
@@ -171,6 +171,66 @@ def test_a_legacy_completion_of_another_model_is_not_found(served3: Served) -> N
     with pytest.raises(openai.NotFoundError) as e:
         _client(served3).completions.create(model="gpt-3.5-turbo-instruct", prompt=PROMPT, max_tokens=2)
     assert e.value.code == "model_not_found"
+
+
+# -- continuing an answer (vLLM's continue_final_message) -----------------------------------------
+
+QUESTION = [{"role": "user", "content": "Explain in a few sentences why the sky is blue."}]
+N, K = 24, 9  # the answer's tokens, and where it is cut
+
+
+def test_continue_final_message_goes_on_with_the_same_answer_exactly(served3: Served) -> None:
+    """Greedy: an answer cut after K tokens and continued for N - K is the uninterrupted N-token
+    answer; the continuation's prompt is the question's plus the K tokens (no end of turn, no new
+    turn between them), whole and streamed."""
+    client = _client(served3)
+    kw: dict[str, Any] = {"model": MODEL, "temperature": 0}
+    whole = client.chat.completions.create(messages=QUESTION, max_tokens=N, **kw)  # type: ignore[arg-type]
+    cut = client.chat.completions.create(messages=QUESTION, max_tokens=K, **kw)  # type: ignore[arg-type]
+    assert whole.choices[0].finish_reason == cut.choices[0].finish_reason == "length"
+    full, part = whole.choices[0].message.content or "", cut.choices[0].message.content or ""
+    assert full.startswith(part) and len(part) > 10
+    asked = [*QUESTION, {"role": "assistant", "content": part}]
+    more = client.chat.completions.create(
+        messages=asked,  # type: ignore[arg-type]
+        max_tokens=N - K,
+        extra_body={"continue_final_message": True},
+        **kw,
+    )
+    rest = more.choices[0].message.content or ""
+    assert part + rest == full and len(rest) > 10
+    assert more.usage is not None and cut.usage is not None
+    assert more.usage.prompt_tokens == cut.usage.prompt_tokens + K
+    assert more.usage.completion_tokens == N - K
+    streamed = client.chat.completions.create(
+        messages=asked,  # type: ignore[arg-type]
+        max_tokens=N - K,
+        stream=True,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},  # (as vLLM's clients send it)
+        **kw,
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == rest
+    # without it, the same messages get a new answer after the assistant's, not the rest of it
+    after = client.chat.completions.create(messages=asked, max_tokens=N - K, **kw)  # type: ignore[arg-type]
+    assert after.usage is not None and after.usage.prompt_tokens > more.usage.prompt_tokens
+
+
+def test_continue_final_message_without_an_assistant_message_last_is_refused_by_name(served3: Served) -> None:
+    import openai
+
+    client = _client(served3)
+    for msgs in (QUESTION, [*QUESTION, {"role": "assistant", "content": "Because"}, *QUESTION]):
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(
+                    model=MODEL,
+                    messages=msgs,  # type: ignore[arg-type]
+                    max_tokens=4,
+                    stream=stream,
+                    extra_body={"continue_final_message": True},
+                )
+            assert e.value.param == "continue_final_message"
+            assert "continue_final_message" in e.value.message and "assistant" in e.value.message
 
 
 # -- the same routes through an agent's local API (its gateway) -------------------------------------

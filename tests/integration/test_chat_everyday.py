@@ -20,7 +20,6 @@ from PySide6.QtWidgets import QApplication, QFileDialog
 
 from agent.protocol.cluster_view import ClusterView, NodeInfo
 from agent.protocol.events import Event, NodeJoined, NodeLeft, PlanChanged, Snapshot, apply_event
-from gui.chat.answer import CONTINUE_PROMPT
 from gui.chat.export import conversation_markdown
 from gui.chat.store import Store
 from gui.chat.theme import MIN_CONTRAST, contrast
@@ -152,7 +151,7 @@ def test_edit_puts_the_last_question_back_and_resending_replaces_that_turn(
     # Esc leaves an edit be: the next message is a new turn
     w.edit_btn.click()
     keys(w, Qt.Key.Key_Escape)
-    assert w.editing is None and w.input.toPlainText() == ""
+    assert w.turn.editing is None and w.input.toPlainText() == ""
     ask(qloop, w, "Thanks.")
     assert contents(w)[-2:] == ["Thanks.", FULL] and len(contents(w)) == 6
 
@@ -172,11 +171,13 @@ def test_an_answer_cut_at_the_token_limit_says_so_and_continue_appends_to_it(
     a = w.store.messages(w.conversation or 0)[1]
     assert (a.id, a.content) == (answer.id, "The capital of France is Paris.")
     assert a.stats["finish"] == "stop" and a.stats["tokens"] == 4 and a.stats["ttft_s"] == answer.stats["ttft_s"]
+    # the partial answer went as the final assistant message, to be continued (not a new turn)
+    assert fake.bodies[-1]["continue_final_message"] is True
     assert fake.asked[-1] == [
         {"role": "user", "content": "What is the capital of France?"},
         {"role": "assistant", "content": "The capital of France "},
-        {"role": "user", "content": CONTINUE_PROMPT},
     ]
+    assert "continue_final_message" not in fake.bodies[0]  # (the first answer was asked as usual)
     assert not w.continue_btn.isVisibleTo(w) and "stopped: length" not in w.transcript.toPlainText()
     assert "The capital of France is Paris." in w.transcript.toPlainText() and w.status.text() == ""
 

@@ -34,11 +34,15 @@ class FakeCoordinator:
 
     The answer is :data:`ANSWER`, ended by ``stop``, unless ``replies`` holds the next one (its
     pieces and finish reason, e.g. ``length``); the end names ``nodes`` as the nodes that served.
+    Each request's messages are kept in ``asked``, its whole body in ``bodies``. As the real API,
+    it refuses ``continue_final_message`` (a 400 naming it) unless the last message is the
+    assistant's.
     """
 
     def __init__(self) -> None:
         self.plays: list[str] = []
         self.asked: list[list[dict[str, str]]] = []
+        self.bodies: list[dict[str, Any]] = []
         self.replies: list[tuple[list[str], str]] = []
         self.nodes: list[str] = ["n1"]
         self.go_on = asyncio.Event()
@@ -65,6 +69,11 @@ class FakeCoordinator:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.asked.append(body["messages"])
+        self.bodies.append(body)
+        if body.get("continue_final_message") and body["messages"][-1]["role"] != "assistant":
+            msg = "continue_final_message needs the last message to be the assistant's"
+            err = {"message": msg, "type": "invalid_request_error", "param": "continue_final_message", "code": None}
+            return web.json_response({"error": err}, status=400)
         play = self.plays.pop(0) if self.plays else "full"
         words, finish = self.replies.pop(0) if self.replies else (ANSWER, "stop")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})

@@ -141,6 +141,55 @@ def test_message_roles_and_content_parts() -> None:
     assert msgs == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a"}]
 
 
+# -- continuing an answer (vLLM's continue_final_message) ------------------------------------------
+
+PARTIAL = [*MSGS, {"role": "assistant", "content": "Hello th"}]
+
+
+@pytest.mark.parametrize(
+    ("extra", "on"),
+    [
+        ({}, False),
+        ({"continue_final_message": None}, False),
+        ({"continue_final_message": False, "add_generation_prompt": True}, False),
+        ({"continue_final_message": True}, True),
+        ({"continue_final_message": True, "add_generation_prompt": False}, True),  # as vLLM wants it sent
+        ({"lakeshard": {"continue_final_message": True}}, True),
+        ({"lakeshard": {"continue_final_message": True, "continue": [5], "sent": 1}}, True),  # and a gateway's resume
+    ],
+)
+def test_continue_final_message_goes_on_with_the_assistants_answer(extra: dict[str, Any], on: bool) -> None:
+    msgs, opts = parse_chat_request({"messages": PARTIAL, **extra}, LIMIT)
+    assert msgs == PARTIAL and opts["continue_final"] is on
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": MSGS, "continue_final_message": True}, "continue_final_message"),
+        ({"messages": [*PARTIAL, *MSGS], "continue_final_message": True}, "continue_final_message"),
+        ({"messages": MSGS, "lakeshard": {"continue_final_message": True}}, "lakeshard.continue_final_message"),
+        ({"messages": PARTIAL, "continue_final_message": "yes"}, "continue_final_message"),
+        ({"messages": PARTIAL, "continue_final_message": 1}, "continue_final_message"),
+        ({"messages": PARTIAL, "lakeshard": {"continue_final_message": 1}}, "lakeshard.continue_final_message"),
+        ({"messages": PARTIAL, "continue_final_message": True, "add_generation_prompt": True}, "add_generation_prompt"),
+        ({"messages": PARTIAL, "add_generation_prompt": False}, "add_generation_prompt"),
+        ({"messages": PARTIAL, "add_generation_prompt": "no"}, "add_generation_prompt"),
+    ],
+)
+def test_continue_final_message_is_refused_by_name_without_an_answer_to_continue(
+    body: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(BadRequest) as e:
+        parse_chat_request(body, LIMIT)
+    assert e.value.param == param and param.split(".")[-1] in str(e.value)
+
+
+def test_a_refusal_says_whose_the_last_message_is() -> None:
+    with pytest.raises(BadRequest, match="the last message is the user's"):
+        parse_chat_request({"messages": MSGS, "continue_final_message": True}, LIMIT)
+
+
 # -- legacy text completions ---------------------------------------------------------------------
 
 TEXT_REFUSED: list[tuple[dict[str, Any], str, str | None]] = [
