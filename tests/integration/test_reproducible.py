@@ -88,12 +88,24 @@ def test_the_same_greedy_request_gives_one_text_every_time(
     ring: LocalCluster, smollm2: Any, prompts: list[tuple[int, ...]]
 ) -> None:
     """Each question 5 times at once beside the others (speculating, K chosen at run time),
-    then once alone and once plain: one text per question on a 2-stage cluster."""
+    then once alone: one text per question on a 2-stage cluster; and, on stateful stages, the
+    same text without speculation."""
     together = _generate(smollm2, ring.nodes, [(p, None) for p in prompts for _ in range(REPEATS)])
     alone = [_generate(smollm2, ring.nodes, [(p, None)])[0] for p in prompts]
     plain = _generate(smollm2, ring.nodes, [(p, 0) for p in prompts])
+    same_as_plain = 0
     for i in range(len(prompts)):
-        texts = {tuple(t) for t in together[i * REPEATS : (i + 1) * REPEATS]} | {tuple(alone[i]), tuple(plain[i])}
+        texts = {tuple(t) for t in together[i * REPEATS : (i + 1) * REPEATS]} | {tuple(alone[i])}
         assert len(texts) == 1, f"question {i}: {len(texts)} different answers ({QUESTIONS[i]!r})"
         assert len(plain[i]) > 0
-    report(f"{ring.attention or 'stateful'}: {len(prompts)} questions x {REPEATS + 2} runs, one text each")
+        same_as_plain += tuple(plain[i]) in texts
+    if ring.attention == "stateful":  # a verify's rows round as a 1-token step's do
+        assert same_as_plain == len(prompts)
+    # A paged stage's verify (several tokens of one stream) takes PagedAttention's multi-token
+    # path; on a CPU with VNNI/AMX its dynamic quantization rounds that path apart from a
+    # 1-token step (logits about 1 apart, measured): speculating there may change the text,
+    # though it repeats. In exact precision it does not (test_paged_serving).
+    report(
+        f"{ring.attention}: {len(prompts)} questions x {REPEATS + 1} speculative runs, one text each; "
+        f"{same_as_plain}/{len(prompts)} equal to plain decoding"
+    )
