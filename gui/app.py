@@ -149,6 +149,7 @@ def run_tray(args: argparse.Namespace) -> int:
                 tray._set(None, agent.error)
         if not done.is_set():
             tray.start()
+            tray.welcome_if_new()  # the first start: the first-run window
             print(f"lakeshard tray: following the agent at {agent_url}", flush=True)
             await done.wait()
         # Quit (or SIGTERM) ends within 2 s: the agent we started leaves meanwhile (STOP_S)

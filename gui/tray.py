@@ -13,6 +13,10 @@ before). A pause says why and when it ends; "Contribute while I work" (the agent
 In a cluster or not: an agent with no cluster credentials waits for one (``no_cluster``), and
 the menu then offers *Create a new cluster…* and *Join a cluster…* (:mod:`gui.cluster`); on the
 laptop that holds the cluster's CA it offers *Invite a laptop…*, and the node map a revoke.
+
+On its first start the tray opens the first-run window (:mod:`gui.first_run`: what lakeshard does
+here, create or join, the hours it may contribute, start at login); its menu's *Set up this
+laptop…* opens it again.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from gui.state import (
 log = logging.getLogger(__name__)
 HOUR_S = 3600.0
 WHILE_WORKING = "Contribute while I work"
+SET_UP = "Set up this laptop…"
 WATCH_S = 1.0  # how often a loss of the coordinator is weighed (CoordinatorWatch.tick)
 
 
@@ -100,6 +105,7 @@ class TrayApp(QObject):
         self.settings: Any = None
         self.join_dialog: Any = None
         self.invite_dialog: Any = None
+        self.first_run: Any = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._tray_timer = QTimer(self)
         self._tray_timer.timeout.connect(self._show_when_tray_exists)
@@ -133,7 +139,7 @@ class TrayApp(QObject):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks.clear()
-        for w in (self.join_dialog, self.invite_dialog, self.folder_dialog):
+        for w in (self.join_dialog, self.invite_dialog, self.folder_dialog, self.first_run):
             if w is not None:
                 w.close()
         for w in (self.chat, self.map):
@@ -258,6 +264,7 @@ class TrayApp(QObject):
         if self.error and self.agent is not None:
             self._add(m, "Restart the agent", lambda: self._run(self.async_restart_agent()))
         m.addSeparator()
+        self._add(m, SET_UP, self.show_first_run)
         self._add(m, "Settings…", self.show_settings)
         self._add(m, "Open logs folder", self.open_logs)
         self._add(m, "About lakeshard", self.show_about)
@@ -375,6 +382,25 @@ class TrayApp(QObject):
     def _joined(self, r: dict[str, Any]) -> None:
         self.notify(Notice("lakeshard", str(r.get("message") or "joined the cluster")))
         self._run(self.async_refresh())
+
+    def welcome_if_new(self) -> bool:
+        """On the first start (the first-run window never dismissed yet): open it. Whether it opened."""
+        from gui.first_run import done
+
+        if done():
+            return False
+        self.show_first_run()
+        return True
+
+    def show_first_run(self) -> None:
+        from gui.first_run import FirstRunWindow
+
+        if self.first_run is None:
+            self.first_run = FirstRunWindow(self.client)
+            self.first_run.cluster_changed.connect(lambda _r: self._run(self.async_refresh()))
+        if not self.first_run.isVisible():  # (open already: the choices being made stay)
+            self.first_run.load()
+        _raise(self.first_run)
 
     def show_invite(self) -> None:
         from gui.cluster import InviteDialog

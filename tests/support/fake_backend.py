@@ -1,8 +1,8 @@
 """A fake of the local agent as the tray's windows see it through :class:`gui.client.Client`, in
 process (no sockets): ``/v1/node`` and the pause switch, the settings (the file, and what the
 agent runs with), the cluster's model, and an event stream the test feeds. For offscreen GUI
-unit tests; the agent's own behaviour (the switch, a setting that applies at once) is played by
-the callbacks a test gives."""
+unit tests; the agent's own behaviour (the switch, a setting that applies at once, a create or a
+join) is played by the callbacks a test gives."""
 
 from __future__ import annotations
 
@@ -32,7 +32,10 @@ class FakeBackend:
     """``node``: the agent's ``/v1/node`` now. A read of it answers what it was when the read
     began; ``hold``, when set, keeps reads waiting (a poll in flight). ``switch(state, for_s)``
     plays the agent's answer to the pause switch (default: the state, with the switch's reason);
-    ``on_settings(file)`` plays a saved settings file (default: nothing changes)."""
+    ``on_settings(file)`` plays a saved settings file (default: nothing changes); ``join(token)``
+    and ``init()`` play the agent's answer to a join and a create (default: it is then in cluster
+    ``office-3f``; a test's may raise :class:`gui.client.ApiError`, the agent's refusal). Each
+    token asked to join is kept in ``joins``, each create counted in ``inits``."""
 
     def __init__(self, node: dict[str, Any] | None = None) -> None:
         self.node_json: dict[str, Any] = copy.deepcopy(node or NODE)
@@ -49,6 +52,10 @@ class FakeBackend:
             {"name": "smollm2-135m", "pulled": True, "source": "registry"},
             {"name": "qwen2.5-coder-1.5b", "pulled": False, "source": "registry"},
         ]
+        self.joins: list[str] = []
+        self.inits = 0
+        self.join: Callable[[str], dict[str, Any]] = lambda _token: self._member("joined cluster office-3f as node me")
+        self.init: Callable[[], dict[str, Any]] = lambda: self._member("cluster office-3f: made", holds_ca=True)
         self.events_q: asyncio.Queue[Event] = asyncio.Queue()
         self.closed = False
         self.agent_url = "http://127.0.0.1:7701"
@@ -95,6 +102,20 @@ class FakeBackend:
         self.file = copy.deepcopy(new)
         self.on_settings(self.file)
         return {"ok": True, "file": "/home/alice/.config/lakeshard/config.yaml", "restart": list(self.restart)}
+
+    def _member(self, message: str, holds_ca: bool = False) -> dict[str, Any]:
+        """The agent, now a member of cluster office-3f: its answer to a create or a join."""
+        self.node_json.update(state="available", role="follower", cluster="office-3f", holds_ca=holds_ca)
+        self.node_json.pop("hint", None)
+        return {"cluster_id": "office-3f", "node_id": "me", "message": message, "agent_error": None}
+
+    async def cluster_init(self) -> dict[str, Any]:
+        self.inits += 1
+        return self.init()
+
+    async def cluster_join(self, token: str) -> dict[str, Any]:
+        self.joins.append(token)
+        return self.join(token)
 
     async def cluster_model(self) -> dict[str, Any]:
         return {
