@@ -109,6 +109,18 @@ def test_the_tray_icon_embeds_opens_its_menu_and_stays_single(display: dict[str,
     try:
         x, y, w, h = wait_until(lambda: _embedded(env), 90, what="the icon in the tray")
         assert 8 <= w <= 64 and 8 <= h <= 64
+        # a first start (a new home) opens the first-run window beside the icon
+        welcome = wait_until(
+            lambda: subprocess.run(
+                ["xdotool", "search", "--onlyvisible", "--name", "Set up lakeshard"],
+                env=env,
+                capture_output=True,
+                text=True,
+            ).stdout.split(),
+            30,
+            what="the first-run window",
+        )
+        assert welcome
         before = _visible_windows(env)
         subprocess.run(["xdotool", "mousemove", str(x + w // 2), str(y + h // 2), "click", "3"], env=env, check=True)
         menu = wait_until(
