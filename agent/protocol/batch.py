@@ -8,7 +8,8 @@ one stream: ``start`` (a new request), ``rollback`` (drop that many of its last 
 first: rejected speculative tokens), and ``logits`` (how many of its last positions the last
 stage turns into tokens: 0 for a prefill chunk that is not the prompt's end, 1 for a decode
 step, K+1 for a speculative verify). The last stage answers the coordinator with one
-:class:`BatchIds`, the tokens of every part that asked for some.
+:class:`BatchIds`, the tokens of every part that asked for some (and their log-probabilities,
+for the parts whose sampling asks for them).
 
 Prefix caching: a starting part may name ``fork``, a stream of the same stages whose first
 ``fork_len`` positions (a prompt head both share) it takes over as they are, without computing
@@ -42,6 +43,7 @@ from agent.protocol.codec import (
     str_field,
 )
 from agent.protocol.data import SamplingSpec
+from agent.protocol.logprobs import TokenLogprobs, block_size, pack, top_field, top_of, unpack
 
 MAX_PARTS = 256  # streams in one micro-batch (a stage's streams are bounded by the same number)
 MAX_FORK_LEN = 1 << 20  # positions a fork may share (a stage checks them against its source's length)
@@ -206,7 +208,13 @@ def batch_rows(msg: Batch, payload: memoryview, width: int) -> np.ndarray:
 @dataclass(frozen=True)
 class BatchIds(Message):
     """The last stage's answer to a :class:`Batch`: each part's chosen tokens (as many as its
-    ``logits``), for the parts that asked for some, in the batch's order."""
+    ``logits``), for the parts that asked for some, in the batch's order.
+
+    ``logprobs`` (when some part's sampling asked for them): per stream, its tokens'
+    log-probabilities (None for a stream that did not ask). They travel as the payload, a block
+    per stream that asked, in the streams' order (see :mod:`agent.protocol.logprobs`); the
+    header lists how many alternatives each stream's tokens list (``logprobs``: null for a
+    stream without), and has no such key when no stream asked."""
 
     TYPE: ClassVar[str] = "batch_ids"
     term: int
@@ -216,6 +224,16 @@ class BatchIds(Message):
     tokens: tuple[int, ...]  # all of them, stream after stream
     sent_at: float = 0.0
     busy_ms: float = 0.0
+    logprobs: tuple[tuple[TokenLogprobs, ...] | None, ...] | None = None  # per stream, when some asked
+
+    def __post_init__(self) -> None:
+        if self.logprobs is None:
+            return
+        if len(self.logprobs) != len(self.streams):
+            raise ValueError(f"log-probabilities for {len(self.logprobs)} of {len(self.streams)} streams")
+        for rows, c in zip(self.logprobs, self.counts, strict=True):
+            if rows is not None and len(rows) != c:
+                raise ValueError(f"{len(rows)} log-probabilities for {c} tokens")
 
     def tokens_of(self) -> dict[str, tuple[int, ...]]:
         out, at = {}, 0
@@ -224,8 +242,14 @@ class BatchIds(Message):
             at += c
         return out
 
+    def logprobs_of(self) -> dict[str, tuple[TokenLogprobs, ...]]:
+        """Each stream's tokens' log-probabilities, for the streams that asked."""
+        if self.logprobs is None:
+            return {}
+        return {s: rows for s, rows in zip(self.streams, self.logprobs, strict=True) if rows is not None}
+
     def header(self) -> dict[str, Any]:
-        return {
+        h = {
             "t": self.TYPE,
             "term": self.term,
             "seq": self.seq,
@@ -235,9 +259,21 @@ class BatchIds(Message):
             "sent_at": self.sent_at,
             "busy_ms": self.busy_ms,
         }
+        if self.logprobs is not None:
+            h["logprobs"] = [None if rows is None else top_of(rows) for rows in self.logprobs]
+        return h
+
+    def payload(self) -> bytes:
+        if self.logprobs is None:
+            return b""
+        return b"".join(pack(rows) for rows in self.logprobs if rows is not None)
 
     @classmethod
     def parse(cls, h: dict[str, Any]) -> BatchIds:
+        return cls.parse_frame(h, memoryview(b""))
+
+    @classmethod
+    def parse_frame(cls, h: dict[str, Any], payload: memoryview) -> BatchIds:
         streams = h.get("streams")
         if not isinstance(streams, list | tuple) or len(streams) > MAX_PARTS:
             raise ProtocolError("bad_batch", f"streams must list at most {MAX_PARTS} stream ids")
@@ -254,7 +290,32 @@ class BatchIds(Message):
             tokens=tuple(int_field(t, "token", 0, 1 << 24) for t in tokens),
             sent_at=float_field(h.get("sent_at", 0.0), "sent_at", 0.0, 1e12),
             busy_ms=float_field(h.get("busy_ms", 0.0), "busy_ms", 0.0, 1e7),
+            logprobs=_read_logprobs(h, names, counts, payload),
         )
+
+
+def _read_logprobs(
+    h: dict[str, Any], streams: tuple[str, ...], counts: tuple[int, ...], payload: memoryview
+) -> tuple[tuple[TokenLogprobs, ...] | None, ...] | None:
+    """A BatchIds' log-probabilities: the ``logprobs`` column (alternatives per stream, or null)
+    and the payload's blocks; None when the header has no such column."""
+    if h.get("logprobs") is None:
+        return None
+    tops = [None if t is None else top_field(t) for t in _column(h, "logprobs", len(streams))]
+    out: list[tuple[TokenLogprobs, ...] | None] = []
+    at = 0
+    for s, c, top in zip(streams, counts, tops, strict=True):
+        if top is None:
+            out.append(None)
+            continue
+        size = block_size(c, top)
+        if at + size > len(payload):
+            raise ProtocolError("bad_logprobs", f"the payload ends before stream {s!r}'s log-probabilities", s)
+        out.append(unpack(payload[at : at + size], c, top, s))
+        at += size
+    if at != len(payload):
+        raise ProtocolError("bad_logprobs", f"{len(payload) - at} bytes after the streams' log-probabilities")
+    return tuple(out)
 
 
 register(Batch, BatchIds)

@@ -5,7 +5,9 @@ A frame is one binary websocket message::
     b"LS" | version (u8) | header length (u32 little-endian) | msgpack header | payload
 
 The header is a msgpack map with ``"t"`` (the message type) and that type's fields; the
-payload is raw tensor bytes (token ids or hidden states), described by the header. Every
+payload is raw tensor bytes (token ids or hidden states), described by the header. A message
+whose payload is its own (a last stage's log-probabilities) writes it (:meth:`Message.payload`)
+and reads it back (:meth:`Message.parse_frame`) itself. Every
 field is checked on receipt: a frame that fails any check raises :class:`ProtocolError`,
 which the receiver answers with an :class:`Error` frame and otherwise ignores. Peer control
 messages (beats, votes) use the same frames, one per UDP datagram.
@@ -103,6 +105,17 @@ class Message:
     def parse(cls, h: dict[str, Any]) -> Message:
         raise NotImplementedError
 
+    def payload(self) -> bytes:
+        """The payload this message carries as its own (most carry none, or one the sender passes
+        to :func:`encode`)."""
+        return b""
+
+    @classmethod
+    def parse_frame(cls, h: dict[str, Any], payload: memoryview) -> Message:
+        """The message of a frame's header and payload: what :meth:`parse` makes of the header,
+        for a message whose payload is not its own."""
+        return cls.parse(h)
+
 
 REGISTRY: dict[str, type[Message]] = {}
 
@@ -118,6 +131,12 @@ def register(*kinds: type[Message]) -> None:
 
 
 def encode(msg: Message, payload: bytes | memoryview | np.ndarray = b"") -> bytes:
+    """A frame of ``msg`` and ``payload`` (none given: the message's own, if it has one)."""
+    own = msg.payload()
+    if own:
+        if len(payload):
+            raise ValueError(f"a {msg.TYPE} message carries its own payload")
+        payload = own
     if isinstance(payload, np.ndarray):
         payload = np.ascontiguousarray(payload).tobytes()
     head = msgpack.packb(msg.header(), use_bin_type=True)
@@ -153,10 +172,11 @@ def decode(frame: bytes) -> tuple[Message, memoryview]:
     kind = REGISTRY.get(t) if isinstance(t, str) else None
     if kind is None:
         raise ProtocolError("unknown_type", f"unknown message type {str(t)[:64]!r}")
+    body = memoryview(frame)[_PREFIX.size + hlen :]
     try:
-        msg = kind.parse(h)
+        msg = kind.parse_frame(h, body)
     except ProtocolError:
         raise
     except Exception as e:  # a parser that missed a check must not take the receiver down
         raise ProtocolError("bad_field", f"{kind.TYPE} header does not parse: {type(e).__name__}") from None
-    return msg, memoryview(frame)[_PREFIX.size + hlen :]
+    return msg, body

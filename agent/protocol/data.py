@@ -21,24 +21,34 @@ from agent.protocol.codec import (
     register,
     str_field,
 )
+from agent.protocol.logprobs import TokenLogprobs, pack, top_field, top_of, unpack
 
 
 @dataclass(frozen=True)
 class SamplingSpec:
+    """How a stream's tokens are chosen, and what the last stage tells of each: ``logprobs`` asks
+    for every token's log-probability and that many most likely alternatives' (0 to
+    :data:`~agent.protocol.logprobs.MAX_TOP_LOGPROBS`; None: ids alone). On the wire a list,
+    ``[temperature, top_p, seed]``, with ``logprobs`` fourth only when asked (so a stream that
+    does not ask sends what it always sent)."""
+
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    logprobs: int | None = None
 
     def to_list(self) -> list[float | int]:
-        return [self.temperature, self.top_p, self.seed]
+        base: list[float | int] = [self.temperature, self.top_p, self.seed]
+        return base if self.logprobs is None else [*base, self.logprobs]
 
     @staticmethod
     def from_list(v: Any) -> SamplingSpec:
-        if not isinstance(v, list | tuple) or len(v) != 3:
-            raise ProtocolError("bad_field", "sampling must be [temperature, top_p, seed]")
+        if not isinstance(v, list | tuple) or len(v) not in (3, 4):
+            raise ProtocolError("bad_field", "sampling must be [temperature, top_p, seed] or [..., logprobs]")
         t = float_field(v[0], "temperature", 0.0, 100.0)
         p = float_field(v[1], "top_p", 1e-6, 1.0)
-        return SamplingSpec(t, p, int_field(v[2], "seed", 0, 2**63 - 1))
+        lp = top_field(v[3], "logprobs") if len(v) == 4 else None
+        return SamplingSpec(t, p, int_field(v[2], "seed", 0, 2**63 - 1), lp)
 
 
 @dataclass(frozen=True)
@@ -131,6 +141,11 @@ class Ids(Message):
 
     With ``ret_logits`` on the Fwd, ``tokens`` is empty and the payload holds ``rows`` x
     ``vocab`` float32 logits instead (the naive design, kept for the WAN comparison).
+
+    ``logprobs`` (when the Fwd's sampling asked for them): each token's log-probability and its
+    most likely alternatives', one per token. They travel as the payload (see
+    :mod:`agent.protocol.logprobs`); the header says how many alternatives each lists
+    (``logprobs``), and has no such key when none were asked.
     """
 
     TYPE: ClassVar[str] = "ids"
@@ -142,23 +157,52 @@ class Ids(Message):
     rows: int = 0
     vocab: int = 0
     busy_ms: float = 0.0  # the longest any stage computed this step
+    logprobs: tuple[TokenLogprobs, ...] | None = None  # one per token, when asked (the payload)
+
+    def __post_init__(self) -> None:
+        if self.logprobs is not None and len(self.logprobs) != len(self.tokens):
+            raise ValueError(f"{len(self.logprobs)} log-probabilities for {len(self.tokens)} tokens")
 
     def header(self) -> dict[str, Any]:
         d = super().header()
         d["tokens"] = list(self.tokens)
+        d.pop("logprobs")
+        if self.logprobs is not None:
+            d["logprobs"] = top_of(self.logprobs)
         return d
+
+    def payload(self) -> bytes:
+        return b"" if self.logprobs is None else pack(self.logprobs)
 
     @classmethod
     def parse(cls, h: dict[str, Any]) -> Ids:
+        return cls.parse_frame(h, memoryview(b""))
+
+    @classmethod
+    def parse_frame(cls, h: dict[str, Any], payload: memoryview) -> Ids:
+        stream, seq = str_field(h.get("stream"), "stream", 128), int_field(h.get("seq"), "seq")
+        tokens = int_list_field(h.get("tokens"), "tokens")
+        rows = int_field(h.get("rows", 0), "rows", 0, MAX_TOKENS_PER_FRAME)
+        logprobs = None
+        if h.get("logprobs") is not None:
+            if rows:
+                why = "an ids frame carries logits or log-probabilities, not both"
+                raise ProtocolError("bad_field", why, stream, seq)
+            try:
+                logprobs = unpack(payload, len(tokens), top_field(h["logprobs"]), stream)
+            except ProtocolError as e:
+                e.stream, e.seq = stream, seq
+                raise
         return Ids(
             term=int_field(h.get("term"), "term"),
-            stream=str_field(h.get("stream"), "stream", 128),
-            seq=int_field(h.get("seq"), "seq"),
-            tokens=int_list_field(h.get("tokens"), "tokens"),
+            stream=stream,
+            seq=seq,
+            tokens=tokens,
             sent_at=float_field(h.get("sent_at", 0.0), "sent_at", 0.0, 1e12),
-            rows=int_field(h.get("rows", 0), "rows", 0, MAX_TOKENS_PER_FRAME),
+            rows=rows,
             vocab=int_field(h.get("vocab", 0), "vocab", 0, 1 << 24),
             busy_ms=float_field(h.get("busy_ms", 0.0), "busy_ms", 0.0, 1e7),
+            logprobs=logprobs,
         )
 
 

@@ -3,6 +3,10 @@
 Greedy is argmax. Sampling is Gumbel-max over the top-p nucleus of softmax(logits / T), with
 the noise drawn from a generator keyed by (seed, position): the same request gives the same
 tokens however it is scheduled, split or speculated.
+
+What a client may ask besides the tokens, their log-probabilities (:func:`token_logprobs`), is
+the model's own distribution (the logits' log-softmax, at temperature 1), as OpenAI reports it,
+whatever the temperature or top-p that chose them.
 """
 
 from __future__ import annotations
@@ -61,3 +65,37 @@ def step_tokens(token_ids: np.ndarray, logits: np.ndarray, s: Sampling, position
     if s.greedy:
         return tuple(int(t) for t in token_ids)
     return tuple(choose_token(logits[k], s, pos) for k, pos in enumerate(positions))
+
+
+def token_logprobs(
+    logits: np.ndarray, tokens: Sequence[int], top: int, floor: float = -9999.0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each chosen token's log-probability and its row's ``top`` most likely tokens: row k of
+    ``logits`` [k, V] chose ``tokens[k]``. The log-softmax is computed stably in float64 (the
+    largest logit taken out first); the alternatives are found by a partial sort (argpartition,
+    no sort of the vocabulary), then ordered most likely first (on a tie, the lower id first).
+    Returns float64 [k], int64 [k, n] and float64 [k, n], n = min(top, V); log-probabilities
+    below ``floor`` (an impossible token's -inf) are sent as ``floor``."""
+    z = np.asarray(logits, dtype=np.float64)
+    if z.ndim != 2 or z.shape[0] != len(tokens):
+        raise ValueError(f"logits of shape {z.shape} for {len(tokens)} tokens")
+    m = z.max(axis=1, keepdims=True)
+    lse = m + np.log(np.exp(z - m).sum(axis=1, keepdims=True))
+    rows = np.arange(z.shape[0])
+    chosen = z[rows, np.asarray(tokens, dtype=np.int64)] - lse[:, 0]
+    n = max(0, min(top, z.shape[1]))
+    if n == 0:
+        ids = np.zeros((z.shape[0], 0), dtype=np.int64)
+        values = np.zeros((z.shape[0], 0), dtype=np.float64)
+    else:
+        ids = np.argpartition(-z, n - 1, axis=1)[:, :n] if n < z.shape[1] else np.tile(np.arange(n), (len(rows), 1))
+        best = z[rows[:, None], ids]
+        order = np.lexsort((ids, -best), axis=1)
+        ids = np.take_along_axis(ids, order, axis=1).astype(np.int64)
+        values = np.take_along_axis(best, order, axis=1) - lse
+
+    def clean(v: np.ndarray) -> np.ndarray:
+        out: np.ndarray = np.clip(np.nan_to_num(v, nan=floor, neginf=floor, posinf=0.0), floor, 0.0)
+        return out
+
+    return clean(chosen), ids, clean(values)

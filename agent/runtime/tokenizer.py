@@ -4,11 +4,16 @@ A chat prompt ends either with the template's generation prompt (a new assistant
 to continue an answer, with the final assistant message left open: the template's text up to
 where that message's content begins, then the content as it was sent, and no end-of-turn marker
 after it (:func:`open_final_message`), so that the model goes on with the same answer.
+
+A token's bytes (:meth:`ChatTokenizer.token_bytes`: what a client is told of each token whose
+log-probability it asked for) are read from its vocabulary entry as the tokenizer spells it
+(:func:`piece_bytes`), so a token that holds part of a character still has its own bytes.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +31,53 @@ _END_MARKERS = (
 # what stands for the final message's content while the template renders: where it shows, the
 # content begins (the template may wrap it in anything, but must show it)
 OPEN_MARK = "LAKESHARD-OPEN-ANSWER-5f0c"
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character to byte: a byte-level BPE vocabulary spells each byte
+    with one printable character (printable Latin-1 bytes as themselves, the rest from U+0100)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+BYTE_CHARS = _byte_alphabet()
+_SP_BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def piece_bytes(piece: str, scheme: str | None) -> bytes | None:
+    """A vocabulary entry's bytes, as its tokenizer spells them: ``byte_level`` (byte-level BPE:
+    GPT-2's alphabet, :data:`BYTE_CHARS`) or ``sentencepiece`` (a space as ``▁``, a byte without
+    a piece of its own as ``<0xAB>``); None when the scheme is unknown or the entry is not
+    spelled in it."""
+    if scheme == "byte_level":
+        return bytes(BYTE_CHARS[c] for c in piece) if all(c in BYTE_CHARS for c in piece) else None
+    if scheme == "sentencepiece":
+        m = _SP_BYTE.match(piece)
+        return bytes([int(m.group(1), 16)]) if m else piece.replace("\u2581", " ").encode()
+    return None
+
+
+def spelling(tok: Any, vocab: dict[str, int]) -> str | None:
+    """How a tokenizer spells its tokens' bytes: ``byte_level`` or ``sentencepiece`` (see
+    :func:`piece_bytes`), from its decoder where it is a fast one, else from its vocabulary;
+    None when neither."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        decoder = json.dumps(json.loads(backend.to_str()).get("decoder"))
+        if '"ByteLevel"' in decoder:
+            return "byte_level"
+        if '"ByteFallback"' in decoder or '"Metaspace"' in decoder:
+            return "sentencepiece"
+    if sum(c in vocab for c in BYTE_CHARS) > 200:  # most of GPT-2's byte alphabet: byte-level BPE
+        return "byte_level"
+    return "sentencepiece" if "<0x00>" in vocab else None
 
 
 class NotContinuable(ValueError):
@@ -67,6 +119,22 @@ class ChatTokenizer:
         # the most characters one token can cover (byte-level BPE and SentencePiece keys spell
         # a token's text one character per byte or character): a bound for ``min_tokens``
         self.max_token_chars = max((len(k) for k in vocab if k not in special), default=1) or 1
+        self._special = special
+        self._scheme = spelling(self.tok, vocab)
+        self._bytes: dict[int, bytes] = {}
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of one token's text (part of a character's, for a token that splits one);
+        a special token's are its name's."""
+        got = self._bytes.get(token_id)
+        if got is None:
+            piece = str(self.tok.convert_ids_to_tokens(int(token_id)))
+            got = piece.encode() if piece in self._special else piece_bytes(piece, self._scheme)
+            if got is None:  # a tokenizer whose spelling is not known here: the token decoded alone
+                got = str(self.tok.decode([int(token_id)])).encode()
+            if len(self._bytes) < 1 << 18:
+                self._bytes[token_id] = got
+        return got
 
     def min_tokens(self, messages: Sequence[dict[str, str]]) -> int:
         """A lower bound on ``len(chat_ids(messages))``, at once: to refuse a huge prompt untokenized."""

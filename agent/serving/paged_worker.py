@@ -25,7 +25,7 @@ rollback that would end a stream inside a block another stream shares is ``bad_i
 The next hop gets one ``Batch`` of the parts that ran (their hidden rows, in the wire's dtype);
 a last stage answers one ``BatchIds`` with the tokens of every part that asked for some,
 chosen exactly as the stateful path chooses them (argmax, or seeded sampling at the token's
-position).
+position), and their log-probabilities for the parts whose sampling asks for them.
 """
 
 from __future__ import annotations
@@ -36,12 +36,13 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from agent.protocol import Batch, BatchIds, Fwd, ProtocolError, encode
+from agent.protocol import Batch, BatchIds, Fwd, ProtocolError, TokenLogprobs, encode
 from agent.protocol.batch import Part, batch_rows
 from agent.runtime.blocks import PoolError, blocks_for
 from agent.runtime.paged import Entry, PagedStage, PoolExhausted, StepResult
 from agent.runtime.sampling import Sampling, step_tokens
 from agent.runtime.stage import StageError, StageOutput
+from agent.serving.logprobs import step_logprobs
 
 RETRYABLE = frozenset({"no_blocks", "over_budget"})  # the part changed nothing: send it again later
 
@@ -308,10 +309,12 @@ class PagedWorker:
         self, msg: Batch, cands: list[_Cand], entries: list[Entry], res: StepResult, busy_ms: float
     ) -> BatchIds:
         """The last stage's tokens for the parts that asked: argmax, or seeded sampling at each
-        token's position in its stream (as the stateful path samples)."""
+        token's position in its stream (as the stateful path samples), and their
+        log-probabilities for the parts that ask for those too."""
         streams: list[str] = []
         counts: list[int] = []
         tokens: list[int] = []
+        logprobs: list[tuple[TokenLogprobs, ...] | None] = []
         for c, e in zip(cands, entries, strict=True):
             p = c.part
             if not p.logits:
@@ -325,6 +328,7 @@ class PagedWorker:
             streams.append(p.stream)
             counts.append(len(toks))
             tokens += toks
+            logprobs.append(step_logprobs(got.logits, toks, s))
         return BatchIds(
             term=msg.term,
             seq=msg.seq,
@@ -333,4 +337,5 @@ class PagedWorker:
             tokens=tuple(tokens),
             sent_at=msg.sent_at,
             busy_ms=busy_ms,
+            logprobs=None if all(lp is None for lp in logprobs) else tuple(logprobs),
         )

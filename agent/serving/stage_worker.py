@@ -19,10 +19,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from agent.protocol import Assign, Batch, Fwd, Head, HeadTop, Ids, Message, ProtocolError, tensor
+from agent.protocol import Assign, Batch, Fwd, Head, HeadTop, Ids, Message, ProtocolError, TokenLogprobs, tensor
 from agent.runtime.paged import PagedStage
 from agent.runtime.sampling import Sampling, step_tokens
 from agent.runtime.stage import Stage, StageError, StageOutput, Stream
+from agent.serving.logprobs import step_logprobs
 from agent.serving.paged_worker import BatchOut, PagedWorker
 
 MAX_STREAMS = 256
@@ -64,10 +65,21 @@ class HeadWait:
     top: tuple[np.ndarray, np.ndarray] | None = None
 
 
-def finish(fwd: Fwd, toks: tuple[int, ...], busy_ms: float) -> Output:
-    """The last stage's answer to ``fwd`` once its tokens are chosen (and the ring's next step).
-    Touches no state: the event loop calls it too, once a split head's two parts are combined."""
-    ids = Ids(term=fwd.term, stream=fwd.stream, seq=fwd.seq, tokens=toks, sent_at=fwd.sent_at, busy_ms=busy_ms)
+def finish(
+    fwd: Fwd, toks: tuple[int, ...], busy_ms: float, logprobs: tuple[TokenLogprobs, ...] | None = None
+) -> Output:
+    """The last stage's answer to ``fwd`` once its tokens are chosen (with their log-probabilities,
+    when asked), and the ring's next step. Touches no state: the event loop calls it too, once a
+    split head's two parts are combined."""
+    ids = Ids(
+        term=fwd.term,
+        stream=fwd.stream,
+        seq=fwd.seq,
+        tokens=toks,
+        sent_at=fwd.sent_at,
+        busy_ms=busy_ms,
+        logprobs=logprobs,
+    )
     if fwd.auto > 0 and toks and toks[-1] not in fwd.stop:
         nxt = Fwd(
             term=fwd.term,
@@ -169,7 +181,8 @@ class StageWorker:
     def _split_head(self, fwd: Fwd) -> bool:
         """Whether this last stage's step leaves the first rows of the head to stage 0: a greedy
         one-token step of a stream that has the ring to itself (so stage 0 has nothing else to do:
-        no stage it passed holds another stream)."""
+        no stage it passed holds another stream), and that asks for no log-probabilities (they
+        need the whole row of logits)."""
         stage = self.stage
         return (
             self.head_help != "off"
@@ -182,6 +195,7 @@ class StageWorker:
             and not fwd.ret_logits
             and fwd.logits in ((), (0,))
             and fwd.sampling.temperature == 0.0
+            and fwd.sampling.logprobs is None
             and max(fwd.ring_streams, self.stream_count) == 1
             and self.loop_up()
             and (self.head_help == "on" or self._split_pays())
@@ -302,7 +316,8 @@ class StageWorker:
         s = fwd.sampling
         rows = list(fwd.logits) if fwd.logits else [fwd.n - 1]
         sp = Sampling(s.temperature, s.top_p, s.seed)
-        return finish(fwd, step_tokens(out.token_ids, out.logits, sp, [pos0 + r for r in rows]), busy_ms)
+        toks = step_tokens(out.token_ids, out.logits, sp, [pos0 + r for r in rows])
+        return finish(fwd, toks, busy_ms, step_logprobs(out.logits, toks, s))
 
     def head_own_part(self, wait: HeadWait) -> None:
         """The last stage's rows of a split head. The step's time is noted as if this stage had

@@ -1,7 +1,8 @@
 """An answer, whole (one JSON body once generation ends) or streamed as server-sent events, chunk
 by chunk, in either shape: a chat completion's, or a legacy text completion's (:class:`Shape`).
 A streamed chat answer carries the ids behind each chunk for an agent's gateway that may go on
-with it on another coordinator."""
+with it on another coordinator. Where the request asked for log-probabilities, the choice (or
+each chunk) carries those of its tokens, in the shape's own format (:mod:`.logprobs`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from aiohttp import web
 
 from agent.api.resume import RESUME_HEADER
 from coordinator.api.generation import Tally, tokens
+from coordinator.api.logprobs import Scored, TokenBytes, chat_logprobs, text_logprobs
 from coordinator.api.state import ApiState, error
 from coordinator.ring.pipeline import PipelineError
 
@@ -30,18 +32,29 @@ class Shape:
     whole_object: str
     chunk_object: str
 
-    def choice(self, text: str, finish: str | None) -> dict[str, Any]:
-        """The one choice of a whole answer."""
-        if self.kind == "chat":
-            return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    def logprobs(self, scored: list[Scored] | None, tok: TokenBytes) -> dict[str, Any] | None:
+        """Tokens' log-probabilities in this shape's format (None: not asked, or no tokens in a chunk)."""
+        if scored is None:
+            return None
+        return chat_logprobs(scored, tok) if self.kind == "chat" else text_logprobs(scored, tok)
 
-    def delta(self, text: str | None, finish: str | None = None) -> dict[str, Any]:
-        """The one choice of a streamed chunk (chat: ``text`` None is the opening chunk's role)."""
+    def choice(self, text: str, finish: str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The one choice of a whole answer (``logprobs``: its tokens', when asked)."""
+        if self.kind == "chat":
+            c = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            return c if logprobs is None else {**c, "logprobs": logprobs}
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    def delta(
+        self, text: str | None, finish: str | None = None, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The one choice of a streamed chunk (chat: ``text`` None is the opening chunk's role;
+        ``logprobs``: the log-probabilities of the tokens it says, when asked)."""
         if self.kind == "chat":
             d = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
-            return {"index": 0, "delta": d, "finish_reason": finish}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            c = {"index": 0, "delta": d, "finish_reason": finish}
+            return c if logprobs is None else {**c, "logprobs": logprobs}
+        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
 
     @property
     def opens(self) -> bool:
@@ -61,11 +74,14 @@ async def whole(
     st: ApiState, shape: Shape, ids: list[int], opts: dict[str, Any], tally: Tally, base: dict[str, Any]
 ) -> tuple[web.Response, str]:
     parts, finish = [], "stop"
+    scored: list[Scored] | None = [] if opts.get("logprobs") is not None else None
     try:
         async with contextlib.aclosing(tokens(st, ids, opts, tally)) as gen:
-            async for piece, fin in gen:
-                parts.append(piece)
-                finish = fin or finish
+            async for piece in gen:
+                parts.append(piece.text)
+                finish = piece.finish or finish
+                if scored is not None:
+                    scored += piece.scored
     except PipelineError as e:
         resp = error(503, f"generation failed: {e}", "server_error", e.code)
         if e.retry_after is not None:
@@ -74,7 +90,7 @@ async def whole(
     body = {
         **base,
         "object": shape.whole_object,
-        "choices": [shape.choice("".join(parts), finish)],
+        "choices": [shape.choice("".join(parts), finish, shape.logprobs(scored, st.tokenizer))],
         "usage": _usage(len(ids), tally.completion),
         "lakeshard": tally.report(st.served_by()),
     }
@@ -96,6 +112,7 @@ async def stream(
     # on the next coordinator if this one is lost (see agent/api/resume.py)
     resume = request.headers.get(RESUME_HEADER) == "1"
     told = 0  # ids told so far
+    asked = opts.get("logprobs") is not None
 
     async def send(choice: dict[str, Any], first: bool = False, **extra: Any) -> None:
         nonlocal told
@@ -111,11 +128,13 @@ async def stream(
         if shape.opens:
             await send(shape.delta(None), first=True)
         async with contextlib.aclosing(tokens(st, ids, opts, tally)) as gen:
-            async for piece, fin in gen:
-                if piece:
-                    await send(shape.delta(piece))
-                if fin:
-                    await send(shape.delta("", fin), lakeshard=tally.report(st.served_by()))
+            async for piece in gen:
+                lp = shape.logprobs(list(piece.scored), st.tokenizer) if asked and piece.scored else None
+                if piece.text:
+                    await send(shape.delta(piece.text, logprobs=lp))
+                if piece.finish:
+                    tail = None if piece.text else lp  # tokens said with no text of their own: with the last chunk
+                    await send(shape.delta("", piece.finish, tail), lakeshard=tally.report(st.served_by()))
         if opts["include_usage"]:
             usage = {
                 **base,

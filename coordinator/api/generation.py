@@ -1,5 +1,7 @@
 """One answer's generation, as the API sees it: the text deltas of the tokens the scheduler yields,
-cut at the stop strings, with its figures (time to the first token, rate, speculation)."""
+cut at the stop strings, with its figures (time to the first token, rate, speculation), and, when
+asked, each token's log-probabilities, sent with the text in which the token's own begins (a token
+past a stop string's start is not part of the answer, nor are its log-probabilities)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.protocol import SamplingSpec
+from coordinator.api.logprobs import Scored
 from coordinator.api.state import ApiState
 from coordinator.batching.scheduler import GenRequest
 from coordinator.speculative.decoding import SpecCounters
@@ -91,26 +94,52 @@ class Tally:
         }
 
 
-async def tokens(
-    st: ApiState, ids: list[int], opts: dict[str, Any], tally: Tally
-) -> AsyncGenerator[tuple[str, str | None], None]:
-    """(text delta, finish reason once at the end)."""
+@dataclass(frozen=True)
+class Piece:
+    """What an answer has to say next: a text delta, the finish reason (once, at the end), and the
+    log-probabilities of the tokens whose text begins in what has been said with it (when asked)."""
+
+    text: str
+    finish: str | None = None
+    scored: tuple[Scored, ...] = ()
+
+
+class Held:
+    """Tokens with their log-probabilities, held until the text they begin in is sent."""
+
+    def __init__(self) -> None:
+        self.tokens: list[Scored] = []
+
+    def before(self, limit: float) -> tuple[Scored, ...]:
+        """The held tokens whose text begins before character ``limit`` (no longer held)."""
+        out = tuple(s for s in self.tokens if s.offset < limit)
+        self.tokens = self.tokens[len(out) :]
+        return out
+
+
+async def tokens(st: ApiState, ids: list[int], opts: dict[str, Any], tally: Tally) -> AsyncGenerator[Piece, None]:
+    """The answer's pieces (see :class:`Piece`). ``opts["logprobs"]`` (alternatives a token, or
+    None) asks for log-probabilities: the tokens a lost coordinator generated before this one went
+    on (``continue``) have none here (its client was sent them)."""
     cont: tuple[int, ...] = opts.get("continue", ())
+    want: int | None = opts.get("logprobs")
     req = GenRequest(
         prompt=(*ids, *cont),
         max_tokens=opts["max_tokens"] - len(cont),
-        sampling=SamplingSpec(opts["temperature"], opts["top_p"], opts["seed"]),
+        sampling=SamplingSpec(opts["temperature"], opts["top_p"], opts["seed"], want),
         stop_ids=st.tokenizer.stop_ids,
         spec_counters=tally.spec,
+        logprobs=[] if want is not None else None,
     )
     dec = st.tokenizer.stream()
     stop = StopMatcher(opts["stop"])
+    held = Held()
     n = len(cont)
     for tok in cont:  # the text so far, as the lost coordinator had it; the client has ``sent`` of it
         stop.push(dec.push(tok))
     stop.sent = min(opts.get("sent", 0), len(stop.text))
     if stop.stopped or n >= opts["max_tokens"] or (cont and cont[-1] in req.stop_ids):
-        yield "", "stop" if n < opts["max_tokens"] else "length"
+        yield Piece("", "stop" if n < opts["max_tokens"] else "length")
         return
     gen = st.scheduler.async_generate(req)
     try:
@@ -118,15 +147,17 @@ async def tokens(
             n += 1
             tally.token()
             tally.ids.append(tok)
+            if req.logprobs is not None:  # (the scheduler keeps a token's before it yields it)
+                held.tokens.append(Scored(tok, req.logprobs[tally.tokens - 1], len(stop.text)))
             piece = stop.push(dec.push(tok))
             if piece:
-                yield piece, None
+                yield Piece(piece, None, held.before(stop.sent))
             if stop.stopped:
-                yield "", "stop"
+                yield Piece("", "stop", held.before(stop.sent))
                 return
     finally:
         await gen.aclose()
     tail = stop.flush()
     if tail:
-        yield tail, None
-    yield "", "length" if n >= opts["max_tokens"] else "stop"
+        yield Piece(tail, None, held.before(stop.sent))
+    yield Piece("", "length" if n >= opts["max_tokens"] else "stop", held.before(float("inf")))

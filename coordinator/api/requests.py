@@ -8,6 +8,11 @@ refused by name unless it is at its neutral value (``presence_penalty: 0``, ``to
 ``response_format: {"type": "text"}``...), never accepted and silently ignored. A parameter
 OpenAI's API does not have at all is refused too (``unknown_parameter``), as OpenAI does.
 
+Log-probabilities: a chat completion's ``logprobs: true`` (with ``top_logprobs``, 0 to 20
+alternatives a token, which needs it) and a legacy completion's integer ``logprobs`` (0 to 20)
+ask for every generated token's log-probability, computed on the last stage (``opts["logprobs"]``:
+how many alternatives; None: not asked).
+
 One extension is vLLM's: ``continue_final_message: true`` (also taken as
 ``lakeshard.continue_final_message``) goes on with the final message, which must be the
 assistant's, instead of starting a new turn after it (the chat template leaves that message
@@ -19,6 +24,8 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable
 from typing import Any
+
+from agent.protocol import MAX_TOP_LOGPROBS
 
 CHAT_DEFAULT_MAX_TOKENS = 512
 TEXT_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for a legacy completion
@@ -58,14 +65,11 @@ def _zero(v: Any) -> bool:
 # parameters this server does not implement: (their neutral value, why it is refused otherwise:
 # a message that names the parameter)
 Neutral = Callable[[Any], bool]
-LOGPROBS_LATER = "log-probabilities are not returned yet (planned: computed on the last stage)"
 TOOLS = "this server does not call tools (no function calling)"
 CHAT_REFUSED: dict[str, tuple[Neutral, str]] = {
     "presence_penalty": (_zero, "presence_penalty is not supported; send 0 or leave it out"),
     "frequency_penalty": (_zero, "frequency_penalty is not supported; send 0 or leave it out"),
     "logit_bias": (_falsy, "logit_bias is not supported"),
-    "logprobs": (_falsy, f"logprobs is not supported: {LOGPROBS_LATER}"),
-    "top_logprobs": (_zero, f"top_logprobs is not supported: {LOGPROBS_LATER}"),
     "tools": (_falsy, f"tools are not supported: {TOOLS}"),
     "tool_choice": (lambda v: v is None or v == "none", f"tool_choice is not supported: {TOOLS}"),
     "functions": (_falsy, f"functions are not supported: {TOOLS}"),
@@ -86,16 +90,16 @@ TEXT_REFUSED: dict[str, tuple[Neutral, str]] = {
     "presence_penalty": CHAT_REFUSED["presence_penalty"],
     "frequency_penalty": CHAT_REFUSED["frequency_penalty"],
     "logit_bias": CHAT_REFUSED["logit_bias"],
-    "logprobs": (_zero, f"logprobs is not supported: {LOGPROBS_LATER}"),
     "echo": (lambda v: v is None or v is False, "echo is not supported"),
     "suffix": (lambda v: v is None or v == "", "suffix is not supported (no fill-in-the-middle)"),
     "best_of": (lambda v: v is None or v == 1, "best_of is not supported: only best_of=1"),
 }
-# what each kind implements (with "n", "stream" and "stream_options" checked here too)
+# what each kind implements (with "n", "stream" and "stream_options" checked here too; logprobs,
+# top_logprobs: below)
 SAMPLING = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options"})
-CHAT_FIELDS = SAMPLING | {"messages", "max_completion_tokens", "lakeshard"}
+CHAT_FIELDS = SAMPLING | {"messages", "max_completion_tokens", "lakeshard", "logprobs", "top_logprobs"}
 CHAT_FIELDS |= {"continue_final_message", "add_generation_prompt"}  # (vLLM's: an answer continued)
-TEXT_FIELDS = SAMPLING | {"prompt"}
+TEXT_FIELDS = SAMPLING | {"prompt", "logprobs"}
 
 
 def refuse_unsupported(
@@ -204,6 +208,7 @@ def parse_chat_request(body: Any, limit: int) -> tuple[list[dict[str, str]], dic
     opts = sampling_opts(body, max_tokens)
     opts["continue"], opts["sent"] = continuation(body.get("lakeshard"), max_tokens)
     opts["continue_final"] = continue_final(body, clean)
+    opts["logprobs"] = chat_logprobs(body)
     return clean, opts
 
 
@@ -219,7 +224,30 @@ def parse_text_request(body: Any, limit: int) -> tuple[str, dict[str, Any]]:
             "prompt must be a string or a list of one string (several prompts, and token ids, are not supported)",
             "prompt",
         )
-    return prompt, sampling_opts(body, _max_tokens(body, "max_tokens", TEXT_DEFAULT_MAX_TOKENS, limit))
+    opts = sampling_opts(body, _max_tokens(body, "max_tokens", TEXT_DEFAULT_MAX_TOKENS, limit))
+    opts["logprobs"] = _top(body, "logprobs")
+    return prompt, opts
+
+
+def _top(body: dict[str, Any], key: str) -> int | None:
+    """A count of alternatives a token (0 to MAX_TOP_LOGPROBS), or None when not sent."""
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_TOP_LOGPROBS:
+        raise BadRequest(f"{key} must be an integer between 0 and {MAX_TOP_LOGPROBS}", key)
+    return v
+
+
+def chat_logprobs(body: dict[str, Any]) -> int | None:
+    """How many alternatives a chat completion's tokens list with their log-probabilities
+    (``top_logprobs``, 0 when not sent), or None when ``logprobs`` is not true. As in OpenAI's
+    API, ``top_logprobs`` needs ``logprobs: true``."""
+    on = _flag(body.get("logprobs"), "logprobs")
+    top = _top(body, "top_logprobs")
+    if top and not on:
+        raise BadRequest("top_logprobs needs logprobs: true (alternatives come with the tokens' own)", "top_logprobs")
+    return (top or 0) if on else None
 
 
 def _flag(v: Any, name: str) -> bool:

@@ -5,7 +5,9 @@ micro-batch's answer comes back, a part fails, a client goes away) the pump asks
 (:func:`~coordinator.batching.microbatch.next_batch`) for micro-batches until it has none, and
 sends each as one :class:`~agent.protocol.batch.Batch` into stage 0: prompt chunks and decode
 steps of many streams, computed by each stage in one infer call, about S micro-batches out on
-S stages. The last stage answers with every part's tokens (:class:`~agent.protocol.batch.BatchIds`).
+S stages. The last stage answers with every part's tokens (:class:`~agent.protocol.batch.BatchIds`),
+and their log-probabilities for the streams whose sampling asks (kept in the request's
+``logprobs``, one per token, before the token is yielded).
 
 The KV ledger is what the streams hold: the smallest pool's blocks less every stream's. A
 stream's blocks return when its ``Close`` is sent, which every stage takes before any later
@@ -28,7 +30,7 @@ import itertools
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 
-from agent.protocol import BatchIds
+from agent.protocol import BatchIds, TokenLogprobs
 from agent.protocol.batch import MAX_PARTS
 from agent.runtime.blocks import blocks_for
 from coordinator.batching.admission_gate import AdmissionGate
@@ -320,7 +322,8 @@ class Batcher:
             self._poke()
             self._recovery.lost(exc if isinstance(exc, PipelineError) else PipelineError(str(exc)))
             return
-        got = fut.result().tokens_of()
+        answer = fut.result()
+        got, scored = answer.tokens_of(), answer.logprobs_of()
         tick = next(self._ticks)
         for s in flight.streams.values():
             part = s.part
@@ -331,27 +334,36 @@ class Batcher:
             if toks is None or len(toks) != part.logits:  # its part failed on a stage (the error says why)
                 self._recovery.part_failed(s, PipelineError("a stage dropped its part", "part_failed"))
                 continue
-            self._deliver(s, self._confirmed(s, toks))
+            new = self._confirmed(s, toks)
+            lps = scored.get(s.name)
+            self._deliver(s, toks[new], lps[new] if lps is not None else None)
             if not s.done and s.drafts is not None and self.drafter is not None:
                 self.drafter.start(s.drafts, s.tokens, s.req.max_tokens - s.emitted, self._poke)
         self._poke()
 
-    def _confirmed(self, s: Stream, toks: tuple[int, ...]) -> tuple[int, ...]:
-        """A part's new tokens: the drafts the target agrees with and its own next one; the
-        rejected drafts' positions become the next part's rollback."""
+    def _confirmed(self, s: Stream, toks: tuple[int, ...]) -> slice:
+        """Which of a part's tokens are new: the drafts the target agrees with and its own next
+        one (the rejected drafts' positions become the next part's rollback); without drafts,
+        its last."""
         sent, s.sent_drafts = s.sent_drafts, []
         if not sent:
-            return toks[-1:]
+            return slice(-1, None)
         assert s.drafts is not None and self.drafter is not None
         a = self.drafter.verdict(s.drafts, sent, toks)
         s.rollback = len(sent) - a
-        return toks[: a + 1]
+        return slice(0, a + 1)
 
-    def _deliver(self, s: Stream, toks: tuple[int, ...]) -> None:
-        for tok in toks:
+    def _deliver(self, s: Stream, toks: tuple[int, ...], lps: tuple[TokenLogprobs, ...] | None) -> None:
+        """A stream's new tokens (with their log-probabilities, where they came) to its request."""
+        for i, tok in enumerate(toks):
             if tok in s.req.stop_ids:
                 s.out.put_nowait(None)
                 self._finish(s, keep=True)
+                return
+            try:
+                s.req.note_logprobs(lps[i] if lps is not None else None)
+            except PipelineError as e:
+                self._fail(s, e)
                 return
             s.tokens.append(tok)
             s.emitted += 1

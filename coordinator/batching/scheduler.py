@@ -5,6 +5,10 @@ waits, the other streams' steps occupy the other stages. Streams join and leave 
 each with its own prompt, length and sampling settings. Requests beyond S wait for a slot.
 With a drafter configured, every stream decodes speculatively (see
 :mod:`coordinator.speculative.decoding`); speculative streams interleave like plain ones.
+
+A request whose sampling asks for log-probabilities (``SamplingSpec.logprobs``) gets them, as
+the last stage computed them, in its ``logprobs`` list: one per token, appended before the token
+is yielded.
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
-from agent.protocol import SamplingSpec
-from coordinator.ring.pipeline import Pipeline, PipelineError, run_token
+from agent.protocol import SamplingSpec, TokenLogprobs
+from coordinator.ring.pipeline import Pipeline, PipelineError, last_logprobs, run_step
 from coordinator.speculative.decoding import DraftHandle, SpecConfig, SpecCounters, Speculator
 
 log = logging.getLogger(__name__)
@@ -43,6 +47,20 @@ class GenRequest:
     spec_min_conf: float | None = None  # stop drafting below this confidence (0: never); None: from costs
     # this request's speculation figures, filled in as it runs (None: not wanted)
     spec_counters: SpecCounters | None = field(default=None, compare=False)
+    # each yielded token's log-probabilities, appended before it is yielded (None: not wanted; the
+    # sampling's ``logprobs`` says how many alternatives each lists)
+    logprobs: list[TokenLogprobs] | None = field(default=None, compare=False)
+
+    def note_logprobs(self, lp: TokenLogprobs | None) -> None:
+        """Keep the next token's log-probabilities, where they are wanted (and must have come)."""
+        if self.logprobs is None:
+            return
+        if lp is None:
+            raise PipelineError("the last stage sent no log-probabilities for a token", "no_logprobs")
+        self.logprobs.append(lp)
+
+
+Step = tuple[int, TokenLogprobs | None]  # a generated token and its log-probabilities (None: not asked)
 
 
 def prefill_chunks(
@@ -145,7 +163,8 @@ class Scheduler:
                 if sub.max_tokens <= 0:
                     return
                 try:
-                    async for tok in self._generate_once(pipeline, sub):
+                    async for tok, lp in self._generate_once(pipeline, sub):
+                        req.note_logprobs(lp)
                         emitted.append(tok)
                         self.tokens_out += 1
                         yield tok
@@ -162,7 +181,7 @@ class Scheduler:
             self.active -= 1
             self._slots.release()
 
-    async def _generate_once(self, pipeline: Pipeline, req: GenRequest) -> AsyncGenerator[int, None]:
+    async def _generate_once(self, pipeline: Pipeline, req: GenRequest) -> AsyncGenerator[Step, None]:
         """One attempt at ``req`` on ``pipeline``: in the ring, speculatively, or step by step."""
         stream = pipeline.new_stream()
         spec = self.speculator if req.ids_only and req.spec_k != 0 else None
@@ -179,8 +198,8 @@ class Scheduler:
             else:
                 gen = self._stepped(pipeline, stream, req)
             async with contextlib.aclosing(gen):
-                async for tok in gen:
-                    yield tok
+                async for step in gen:
+                    yield step
         finally:
             if draft is not None:
                 draft.session.close()
@@ -191,7 +210,7 @@ class Scheduler:
 
     async def _speculated(
         self, pipeline: Pipeline, stream: str, req: GenRequest, spec: Speculator, draft: DraftHandle
-    ) -> AsyncGenerator[int, None]:
+    ) -> AsyncGenerator[Step, None]:
         """Speculative decoding: the target's prefill, then drafted tokens verified by the ring."""
         t0 = time.perf_counter()
         passed: asyncio.Future[None] | None = None
@@ -209,6 +228,7 @@ class Scheduler:
             draft,
             req.prompt,
             toks[-1],
+            first_logprobs=last_logprobs(toks),
             max_tokens=req.max_tokens,
             sampling=req.sampling,
             stop=_ring_stop(req),
@@ -218,14 +238,14 @@ class Scheduler:
             counters=req.spec_counters,
         )
         try:
-            async for tok in gen:
+            async for tok, lp in gen:
                 if tok in req.stop_ids:
                     return
-                yield tok
+                yield tok, lp
         finally:
             await gen.aclose()
 
-    async def _stepped(self, pipeline: Pipeline, stream: str, req: GenRequest) -> AsyncGenerator[int, None]:
+    async def _stepped(self, pipeline: Pipeline, stream: str, req: GenRequest) -> AsyncGenerator[Step, None]:
         """Plain decoding through the coordinator: one step a token (or logits, the naive design)."""
         t0 = time.perf_counter()
         toks = await self._prefill(pipeline, stream, req)
@@ -234,12 +254,12 @@ class Scheduler:
             tok = toks[-1]
             if tok in req.stop_ids:
                 return
-            yield tok
+            yield tok, last_logprobs(toks)
             if i + 1 == req.max_tokens:
                 return
             toks = await pipeline.send_step(stream, [tok], sampling=req.sampling, ret_logits=not req.ids_only)
 
-    async def _in_ring(self, pipeline: Pipeline, stream: str, req: GenRequest) -> AsyncGenerator[int, None]:
+    async def _in_ring(self, pipeline: Pipeline, stream: str, req: GenRequest) -> AsyncGenerator[Step, None]:
         """Plain decoding with the coordinator off the per-token path (``Fwd.auto``)."""
         t0 = time.perf_counter()
         chunks = self._pieces(pipeline, req.prompt)
@@ -261,7 +281,7 @@ class Scheduler:
         stats = self.speculator.stats if self.speculator is not None else None
         prev: float | None = None
         for _ in range(req.max_tokens):
-            tok = run_token(await q.get())
+            tok, lp = run_step(await q.get())
             now = time.perf_counter()
             if prev is None:  # the prompt's token
                 self._observe_prefill(req, now - t0, None)
@@ -270,7 +290,7 @@ class Scheduler:
             prev = now
             if tok in req.stop_ids:
                 return
-            yield tok
+            yield tok, lp
 
     def _observe_prefill(self, req: GenRequest, seconds: float, draft: DraftHandle | None) -> None:
         """Tell the K policy how long the target's prefill took, and whether the draft's ran

@@ -4,7 +4,8 @@
 
 Each step of a stream is one ``Fwd`` frame carrying token ids; the last stage answers with an
 ``Ids`` frame on the coordinator's return websocket. Many streams can be in flight at once:
-that is what keeps every stage busy (micro-batching).
+that is what keeps every stage busy (micro-batching). A step's tokens come back as a
+:class:`Chosen` (a tuple of ids), with their log-probabilities when its sampling asked.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,10 +38,13 @@ from agent.protocol import (
     Passed,
     ProtocolError,
     SamplingSpec,
+    TokenLogprobs,
     decode,
     encode,
 )
 from agent.protocol.batch import Part
+from agent.protocol.logprobs import LOGPROB_FLOOR, from_arrays
+from agent.runtime.sampling import token_logprobs
 from agent.security.errors import SecurityError
 from agent.security.transport import Transport
 from agent.serving.link import HEARTBEAT_S, Link, LinkClosed
@@ -64,11 +68,42 @@ class RingCapacity:
     token_budget: int  # rows one stage step takes (the smallest step budget)
 
 
+class Chosen(tuple[int, ...]):
+    """A step's tokens as the last stage chose them (a tuple of ids, equal to any tuple of the
+    same ids), with ``logprobs``: one per token when the step's sampling asked (else None)."""
+
+    logprobs: tuple[TokenLogprobs, ...] | None
+
+    def __new__(cls, tokens: Iterable[int], logprobs: tuple[TokenLogprobs, ...] | None = None) -> Chosen:
+        self = super().__new__(cls, tokens)
+        if logprobs is not None and len(logprobs) != len(self):
+            raise ValueError(f"{len(logprobs)} log-probabilities for {len(self)} tokens")
+        self.logprobs = logprobs
+        return self
+
+
+def logprobs_of(toks: Sequence[int]) -> tuple[TokenLogprobs, ...] | None:
+    """The log-probabilities that came with a step's tokens (None: not asked, or a plain tuple)."""
+    return toks.logprobs if isinstance(toks, Chosen) else None
+
+
+def last_logprobs(toks: Sequence[int]) -> TokenLogprobs | None:
+    """The log-probabilities of a step's last token, if they came."""
+    lps = logprobs_of(toks)
+    return lps[-1] if lps else None
+
+
 def run_token(item: tuple[int, ...] | PipelineError) -> int:
     """One item of a ring run's queue (see :meth:`Pipeline.async_run`) as its token; an error raises."""
     if isinstance(item, PipelineError):
         raise item
     return item[-1]
+
+
+def run_step(item: tuple[int, ...] | PipelineError) -> tuple[int, TokenLogprobs | None]:
+    """One item of a ring run's queue as its token and that token's log-probabilities (None:
+    not asked); an error raises."""
+    return run_token(item), last_logprobs(item) if not isinstance(item, PipelineError) else None
 
 
 @dataclass(frozen=True)
@@ -111,6 +146,9 @@ class Pipeline:
         self._control: list[aiohttp.ClientWebSocketResponse] = []
         self._link: Link | None = None
         self._pending: dict[tuple[str, int], asyncio.Future[tuple[int, ...]]] = {}
+        # steps whose logits come back (``ret_logits``) and that ask for log-probabilities: how many
+        # alternatives (this end computes them from the logits)
+        self._want_logprobs: dict[tuple[str, int], int] = {}
         self._batches: dict[int, asyncio.Future[BatchIds]] = {}  # micro-batches in flight, by seq
         # told of every error the ring reports for a stream (the micro-batching scheduler's parts)
         self.on_stream_error: Callable[[str, int | None, PipelineError], None] | None = None
@@ -300,6 +338,9 @@ class Pipeline:
         )
         self._pending[key] = fut
         fut.add_done_callback(lambda _: self._pending.pop(key, None))
+        if ret_logits and sampling is not None and sampling.logprobs is not None:
+            self._want_logprobs[key] = sampling.logprobs
+            fut.add_done_callback(lambda _: self._want_logprobs.pop(key, None))
         if passed is not None:
             self._passed[key] = passed
             fut.add_done_callback(lambda _: _resolve(self._passed.pop(key, None)))
@@ -405,9 +446,18 @@ class Pipeline:
                     raise ProtocolError(
                         "bad_payload", "logits payload does not match rows x vocab", msg.stream, msg.seq
                     )
-                toks = tuple(int(t) for t in logits.reshape(msg.rows, msg.vocab).argmax(axis=-1))
+                rows = logits.reshape(msg.rows, msg.vocab)
+                toks = tuple(int(t) for t in rows.argmax(axis=-1))
+                top = self._want_logprobs.get((msg.stream, msg.seq))
+                lps = None if top is None else from_arrays(*token_logprobs(rows, toks, top, LOGPROB_FLOOR))
                 msg = Ids(
-                    term=msg.term, stream=msg.stream, seq=msg.seq, tokens=toks, sent_at=msg.sent_at, busy_ms=msg.busy_ms
+                    term=msg.term,
+                    stream=msg.stream,
+                    seq=msg.seq,
+                    tokens=toks,
+                    sent_at=msg.sent_at,
+                    busy_ms=msg.busy_ms,
+                    logprobs=lps,
                 )
         except ProtocolError as e:
             log.warning("bad frame on the return path: %s", e)
@@ -429,12 +479,12 @@ class Pipeline:
             if fut is not None:  # a step sent with send_step (maybe ahead of a ring run)
                 if not fut.done():
                     self.busy_s[msg.stream] = msg.busy_ms / 1000.0
-                    fut.set_result(msg.tokens)
+                    fut.set_result(Chosen(msg.tokens, msg.logprobs))
                 return
             q = self._queues.get(msg.stream)
             if q is not None:
                 self.busy_s[msg.stream] = msg.busy_ms / 1000.0
-                q.put_nowait(msg.tokens)
+                q.put_nowait(Chosen(msg.tokens, msg.logprobs))
         elif isinstance(msg, Error) and msg.code == "paused" and msg.stage is not None:
             # its laptop's user (or heat, or the battery) needs it: every stream moves elsewhere
             node = self.placements[msg.stage].node if 0 <= msg.stage < len(self.placements) else "?"

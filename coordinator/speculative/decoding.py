@@ -9,7 +9,9 @@ the logical position back. No extra round trip, no KV read or write.
 
 Each target token is a function of its logits, the request's seed and its position alone
 (see :mod:`agent.runtime.sampling`), so a speculative run gives exactly the plain run's tokens,
-greedy or sampled.
+greedy or sampled. Where the sampling asks for log-probabilities, a verify's last stage computes
+them at every position it turns into a token, so each token, an accepted draft or the target's
+own, comes with those of the logits that chose it.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from agent.protocol import SamplingSpec
-from coordinator.ring.pipeline import Pipeline, run_token
+from agent.protocol import SamplingSpec, TokenLogprobs
+from coordinator.ring.pipeline import Pipeline, logprobs_of, run_step
 from coordinator.speculative.drafting import Drafter, DraftSession
 from coordinator.speculative.kpolicy import K_MAX, SpecCosts, SpecStats, match_bar, match_round_pays
 
@@ -187,6 +189,7 @@ class Speculator:
         prompt: Sequence[int],
         first: int,
         *,
+        first_logprobs: TokenLogprobs | None = None,
         max_tokens: int,
         sampling: SamplingSpec,
         stop: Sequence[int] = (),
@@ -194,8 +197,9 @@ class Speculator:
         depth_override: int | None = None,
         conf_override: float | None = None,
         counters: SpecCounters | None = None,
-    ) -> AsyncGenerator[int, None]:
-        """Tokens after the prefill (whose token is ``first``), ``first`` included.
+    ) -> AsyncGenerator[tuple[int, TokenLogprobs | None], None]:
+        """Tokens after the prefill (whose token is ``first``, with ``first_logprobs``), ``first``
+        included, each with its log-probabilities (None where the sampling does not ask).
 
         ``fed`` lists what went into the target since the last rejection; the output at
         ``fed[v]`` is the target's token after it, which confirms ``fed[v + 1]`` (a draft) or
@@ -216,7 +220,7 @@ class Speculator:
             seconds = await asyncio.wrap_future(handle.ready)
             self.stats.observe_prefill(len(prompt), seconds, waited=time.perf_counter() - t0)
         ctx = [*prompt, first]  # confirmed tokens
-        yield first
+        yield first, first_logprobs
         run_len = RUN_MIN  # plain tokens round the ring before a match-decided round looks again
         last_t = time.perf_counter()  # when the previous result was in
         emitted = 1
@@ -305,7 +309,7 @@ class Speculator:
                     prev: float | None = None
                     try:
                         for _ in range(ring):
-                            t = run_token(await q.get())
+                            t, lp = run_step(await q.get())
                             now = time.perf_counter()
                             if prev is not None:  # the first token's time includes the hop from here
                                 self.stats.observe_ring(now - prev)
@@ -314,7 +318,7 @@ class Speculator:
                             ctx.append(t)
                             for c in tallies:
                                 c.ring_tokens += 1
-                            yield t
+                            yield t, lp
                             emitted += 1
                             if emitted >= max_tokens or t in stop:
                                 return
@@ -328,11 +332,12 @@ class Speculator:
                     self.stats.observe_step(n, time.perf_counter() - t0, self.pipeline.busy_s.get(stream, 0.0))
                 if len(toks) != n:
                     raise RuntimeError(f"the last stage returned {len(toks)} tokens for {n} positions")
+                lps = logprobs_of(toks)
                 accepted = yielded = 0
                 now = time.perf_counter()
-                for t in toks:
+                for i, t in enumerate(toks):
                     ctx.append(t)
-                    yield t
+                    yield t, lps[i] if lps is not None else None
                     emitted += 1
                     yielded += 1
                     if emitted >= max_tokens:

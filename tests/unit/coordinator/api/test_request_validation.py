@@ -31,8 +31,13 @@ CHAT_REFUSED: list[tuple[dict[str, Any], str, str | None]] = [
     ({"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
     ({"frequency_penalty": -1}, "frequency_penalty", "unsupported_parameter"),
     ({"presence_penalty": "0"}, "presence_penalty", "unsupported_parameter"),
-    ({"logprobs": True}, "logprobs", "unsupported_parameter"),
-    ({"top_logprobs": 3}, "top_logprobs", "unsupported_parameter"),
+    ({"top_logprobs": 3}, "top_logprobs", None),  # needs logprobs: true
+    ({"logprobs": False, "top_logprobs": 3}, "top_logprobs", None),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", None),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs", None),
+    ({"logprobs": True, "top_logprobs": 2.0}, "top_logprobs", None),
+    ({"logprobs": "yes"}, "logprobs", None),
+    ({"logprobs": 1}, "logprobs", None),
     ({"logit_bias": {"42": 5}}, "logit_bias", "unsupported_parameter"),
     ({"modalities": ["text", "audio"]}, "modalities", "unsupported_parameter"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "unsupported_parameter"),
@@ -104,6 +109,11 @@ def test_a_chat_completion_takes_neutral_values(extra: dict[str, Any]) -> None:
         ({"stream": True, "stream_options": {"include_usage": True}}, {"stream": True, "include_usage": True}),
         ({"stream": True}, {"stream": True, "include_usage": False}),
         ({"lakeshard": {"continue": [1, 2], "sent": 3}}, {"continue": (1, 2), "sent": 3}),
+        ({}, {"logprobs": None}),
+        ({"logprobs": False, "top_logprobs": 0}, {"logprobs": None}),
+        ({"logprobs": True}, {"logprobs": 0}),  # the chosen tokens' own, no alternatives
+        ({"logprobs": True, "top_logprobs": 0}, {"logprobs": 0}),
+        ({"logprobs": True, "top_logprobs": 20}, {"logprobs": 20}),
     ],
 )
 def test_a_chat_completions_options(extra: dict[str, Any], want: dict[str, Any]) -> None:
@@ -196,7 +206,10 @@ TEXT_REFUSED: list[tuple[dict[str, Any], str, str | None]] = [
     ({"echo": True}, "echo", "unsupported_parameter"),
     ({"suffix": "}"}, "suffix", "unsupported_parameter"),
     ({"best_of": 3}, "best_of", "unsupported_parameter"),
-    ({"logprobs": 2}, "logprobs", "unsupported_parameter"),
+    ({"logprobs": 21}, "logprobs", None),
+    ({"logprobs": True}, "logprobs", None),
+    ({"logprobs": -1}, "logprobs", None),
+    ({"top_logprobs": 2}, "top_logprobs", "unknown_parameter"),  # a chat completion's
     ({"presence_penalty": 1}, "presence_penalty", "unsupported_parameter"),
     ({"logit_bias": {"1": -100}}, "logit_bias", "unsupported_parameter"),
     ({"messages": MSGS}, "messages", "unknown_parameter"),  # a chat completion's field
@@ -244,6 +257,9 @@ def test_a_text_completions_prompt_is_one_string(prompt: Any) -> None:
             {"continue": ()},
         ),
         ({"prompt": "x", "logprobs": 0, "presence_penalty": 0, "frequency_penalty": 0}, "x", {"sent": 0}),
+        ({"prompt": "x"}, "x", {"logprobs": None}),
+        ({"prompt": "x", "logprobs": 0}, "x", {"logprobs": 0}),  # the chosen tokens' own
+        ({"prompt": "x", "logprobs": 5}, "x", {"logprobs": 5}),
     ],
 )
 def test_a_text_completions_prompt_and_options(body: dict[str, Any], prompt: str, want: dict[str, Any]) -> None:
