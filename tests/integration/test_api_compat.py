@@ -53,7 +53,6 @@ REFUSED_CHAT = [
     ("response_format", {"response_format": {"type": "json_object"}}),
     ("presence_penalty", {"presence_penalty": 0.6}),
     ("frequency_penalty", {"frequency_penalty": 0.3}),
-    ("top_logprobs", {"logprobs": False, "top_logprobs": 2}),  # (logprobs: true is answered: test_logprobs)
     ("logit_bias", {"logit_bias": {"1": 10}}),
     ("n", {"n": 2}),
     ("top_k", {"extra_body": {"top_k": 40}}),  # not OpenAI's at all
@@ -72,6 +71,17 @@ def test_a_parameter_that_is_not_implemented_is_refused_by_name(served3: Served,
         assert e.value.param == param
         assert e.value.body["type"] == "invalid_request_error"  # type: ignore[index]
         assert e.value.code in ("unsupported_parameter", "unsupported_value", "unknown_parameter")
+
+
+def test_top_logprobs_without_logprobs_is_refused_by_name(served3: Served) -> None:
+    """(``logprobs: true`` with them is answered: test_logprobs.)"""
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        _client(served3).chat.completions.create(
+            model=MODEL, messages=MSGS, max_tokens=4, logprobs=False, top_logprobs=2
+        )
+    assert e.value.param == "top_logprobs" and "logprobs: true" in e.value.message
 
 
 def test_neutral_values_of_what_is_not_implemented_are_answered(served3: Served) -> None:
