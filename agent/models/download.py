@@ -77,11 +77,14 @@ class _ByteWatch:
 
     def _run(self) -> None:
         last = -1
-        while not self._stop.wait(self.every):
+        while True:
+            stopping = self._stop.wait(self.every)
             n = _bytes_under(*self.roots)
-            if n != last:
+            if n != last:  # and once more when pip is done: a fast download still shows what came
                 last = n
                 self.on_bytes(n)
+            if stopping:
+                return
 
 
 def run_pip_download(

@@ -46,8 +46,10 @@ class Recovery:
 
     def part_failed(self, s: Stream, err: PipelineError) -> None:
         """One of ``s``'s parts failed: it starts over, or, past :data:`MAX_RESETS`, its request fails."""
-        if err.code in GOING:
-            return  # the pipeline is going: failover starts every stream over
+        if err.code in GOING:  # the pipeline is going: failover starts every stream over
+            s.held = True  # until then it sits out (no flight, no part: not sent again here)
+            s.in_flight, s.part = None, None
+            return
         s.resets += 1
         if s.resets > MAX_RESETS:
             self._fail(s, err)

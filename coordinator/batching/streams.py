@@ -25,6 +25,7 @@ class Stream:
     blocks: int = 0
     started: bool = False
     in_flight: int | None = None  # the micro-batch it rides in
+    held: bool = False  # a stage refused its part because the pipeline is going: it waits for the next one
     part: Part | None = None  # its part in that micro-batch
     first_seq: int = 0  # its parts from here on belong to its current start (older errors are stale)
     rollback: int = 0  # positions of rejected drafts its next part drops first
@@ -96,13 +97,14 @@ class Stream:
         """Forget what its stages held: it starts over from its tokens so far."""
         self.unfork(cache)
         self.started, self.context, self.blocks, self.in_flight, self.part = False, 0, 0, None, None
-        self.rollback, self.sent_drafts = 0, []
+        self.rollback, self.sent_drafts, self.held = 0, [], False
         if self.drafts is not None:
             self.drafts.proposal = []
 
     def state(self) -> StreamState | None:
-        """As the policy sees it; None while it drafts (it sits this micro-batch out)."""
-        if self.drafts is not None and self.drafts.busy and self.in_flight is None:
+        """As the policy sees it; None while it drafts (it sits this micro-batch out) or is held
+        (its stages' state is unknown until the re-planned pipeline starts it over)."""
+        if self.held or (self.drafts is not None and self.drafts.busy and self.in_flight is None):
             return None
         pending = len(self.tokens) - self.kept
         prefill = pending if (pending > 1 or not self.started) else 0
